@@ -1,0 +1,5 @@
+"""Callbacks that turn each step's DraftOutput and batch into training logs."""
+
+from callbacks.acceptance import AcceptanceCallback
+
+__all__ = ["AcceptanceCallback"]

@@ -1,0 +1,8 @@
+"""lightning-drafts: Lightning training of speculative-decoding draft models with exact sequence packing."""
+
+from lightning_drafts.base import DraftModule
+from lightning_drafts.batch import PackedBatch, validate_batch
+from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.target import FrozenTarget
+
+__all__ = ["DraftModule", "DraftOutput", "FrozenTarget", "PackedBatch", "validate_batch"]

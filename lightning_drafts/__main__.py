@@ -1,0 +1,3 @@
+from lightning_drafts.cli import main
+
+main()

@@ -1,0 +1,130 @@
+"""Document-isolating attention: mask builders and the kernel choice shared by target and drafts.
+
+Three ways to keep packed documents apart, all derived from the per-token document ids of
+:class:`~lightning_drafts.batch.PackedBatch`:
+
+* ``sdpa`` (and ``eager``): a dense boolean block-causal mask ``[B, 1, T, T]`` (the CPU path);
+* ``flex``: a sparse flex-attention ``BlockMask`` built from a ``mask_mod`` (the GPU path);
+* ``flash``: FlashAttention varlen over the real tokens of the micro-batch flattened into one
+  sequence (GPU with flash-attn installed; imported lazily, never at module import).
+
+A requested kernel that is not available raises; nothing silently falls back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("sdpa", "eager", "flex", "flash")
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def flash_attn_available() -> bool:
+    """flash-attn is importable and a CUDA device exists (the package itself is never imported here)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(requested: str, device: torch.device | str) -> str:
+    """Turn ``"auto"`` into the fastest kernel for ``device``; refuse an unavailable explicit request."""
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        if on_cuda and flash_attn_available():
+            return "flash"
+        return "flex" if on_cuda else "sdpa"
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is unknown; choose one of {('auto', *BACKENDS)}")
+    if requested == "flash" and not (on_cuda and flash_attn_available()):
+        raise ValueError(
+            f"attention backend 'flash' needs flash-attn on a CUDA device, but the device is {device} and "
+            f"flash-attn importable = {importlib.util.find_spec('flash_attn') is not None}; install the "
+            "'flash' extra on a GPU machine or choose 'sdpa' / 'flex'"
+        )
+    return requested
+
+
+def block_causal_mask(doc_ids: Tensor) -> Tensor:
+    """Boolean ``[B, 1, T, T]`` mask, True where query i may attend key j (same document, j <= i).
+
+    Pad slots belong to the row's last document: real tokens never see them (they come later), and
+    pad queries see at least themselves, so no query row is ever fully masked.
+    """
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
+    return (same_doc & causal)[:, None]
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The ``eager`` form of a boolean mask: 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def document_causal_mask_mod(doc_ids: Tensor) -> MaskMod:
+    """The flex ``mask_mod`` of :func:`block_causal_mask`."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return mask_mod
+
+
+def block_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):
+    """A sparse flex ``BlockMask`` (built once per batch, shared by every layer and step)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+
+def dense_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """Materialise a ``mask_mod`` as a boolean ``[B, 1, Q, KV]`` tensor (used to prove masks equal)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    return create_mask(mask_mod, batch, 1, q_len, kv_len, device=device)
+
+
+def attention_with_lse(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | object, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Masked attention that also returns the fp32 log-sum-exp of the scores per query.
+
+    ``mask`` is a boolean ``[B, 1|H, Q, KV]`` tensor (computed densely, softmax in fp32) or a flex
+    ``BlockMask`` (GPU). Drafts that add extra key columns outside the mask (EAGLE-3's TTT diagonal)
+    merge them through the returned log-sum-exp. A query with no visible key returns zeros and
+    ``-inf``, never NaN.
+    """
+    if isinstance(mask, Tensor):
+        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
+        probs = probs.nan_to_num(0.0)
+        return torch.matmul(probs.to(value.dtype), value), lse
+    from torch.nn.attention.flex_attention import flex_attention
+
+    out, lse = flex_attention(query, key, value, block_mask=mask, scale=scale, return_lse=True)
+    return out, lse.float()
+
+
+def flash_varlen_attention(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool = True
+) -> Tensor:
+    """FlashAttention over documents laid end to end: ``[total, heads, dim]`` in, same layout out."""
+    if not flash_attn_available():
+        raise ValueError("flash_varlen_attention needs flash-attn on a CUDA device; install the 'flash' extra")
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        query,
+        key,
+        value,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        softmax_scale=scale,
+        causal=causal,
+    )

@@ -1,0 +1,121 @@
+"""DraftModule: the LightningModule every draft family builds on.
+
+It owns the frozen target, validates batches, runs the draft's objective (``compute_loss``), logs it,
+builds the optimiser, and keeps the target out of checkpoints. A family subclass adds its draft
+``nn.Module`` and ``compute_loss``; nothing family-specific lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from lightning_drafts.batch import PackedBatch, validate_batch
+from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.schedule import warmup_cosine
+from lightning_drafts.target import FrozenTarget, TargetSpec
+
+TARGET_PREFIX = "target."
+
+
+class DraftModule(L.LightningModule):
+    """Shared base of the draft LightningModules.
+
+    Args:
+        target: hub id / local path, config dict (random tiny target, seeded by ``target_seed``), or a
+            ``transformers.PreTrainedModel``.
+        target_attn_backend: ``"auto"``, ``"sdpa"``, ``"eager"``, ``"flex"`` or ``"flash"`` (see
+            :mod:`lightning_drafts.attention`).
+        target_dtype: the target's parameter dtype (``None`` keeps the checkpoint's).
+        learning_rate, betas, weight_decay: AdamW over the draft's trainable parameters.
+        warmup_ratio, min_lr_ratio: the warmup-cosine schedule over the run's optimizer steps.
+    """
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        target_attn_backend: str = "auto",
+        target_dtype: str | None = None,
+        target_seed: int = 0,
+        learning_rate: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.05,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
+        self.target = FrozenTarget(target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed)
+        # Checkpoints hold only the draft; the target's keys are expected to be missing on load.
+        self.strict_loading = False
+
+    # --- the objective -------------------------------------------------------------------------
+
+    def compute_loss(self, batch: Mapping[str, Tensor], anchors: Tensor | None = None) -> DraftOutput:
+        """The draft's objective on one micro-batch (implemented by each family)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_loss")
+
+    def prepare_batch(self, batch: Mapping[str, Tensor] | PackedBatch) -> PackedBatch:
+        """Validate ``batch`` against the contract and the target's vocabulary."""
+        if isinstance(batch, PackedBatch):
+            return batch
+        return validate_batch(batch, vocab_size=self.target.vocab_size)
+
+    # --- Lightning hooks -----------------------------------------------------------------------
+
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
+        return self._shared_step(batch, "val")
+
+    def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
+        output = self.compute_loss(batch)
+        real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
+        self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=real)
+        for name, value in output.metrics.items():
+            self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
+        return {"loss": output.loss, "draft_output": output.detach()}
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        from callbacks.acceptance import AcceptanceCallback
+
+        # A user-configured AcceptanceCallback wins; otherwise a module still logs acceptance on its own.
+        if any(isinstance(cb, AcceptanceCallback) for cb in self.trainer.callbacks):
+            return []
+        return [AcceptanceCallback()]
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), weight_decay=self.hparams.weight_decay
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(step, total, self.hparams.warmup_ratio, self.hparams.min_lr_ratio),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict", {})
+        for key in [k for k in state if k.startswith(TARGET_PREFIX)]:
+            del state[key]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        expected = {k for k in self.state_dict() if not k.startswith(TARGET_PREFIX)}
+        missing = sorted(expected - set(checkpoint.get("state_dict", {})))
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks draft weights {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                "it was written by a different draft configuration"
+            )
+
+    def draft_state_dict(self) -> dict[str, Tensor]:
+        """The draft's weights and buffers only (what checkpoints and exports hold)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(TARGET_PREFIX)}

@@ -1,0 +1,44 @@
+"""DraftOutput: what every draft's objective returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftOutput:
+    """The loss of one micro-batch and its prediction chains.
+
+    ``correct`` and ``valid`` are bool ``[M, K]``: M chains of K positions (see
+    :mod:`lightning_drafts.acceptance`); ``correct`` is only meaningful where ``valid``.
+    ``valid_tokens`` counts supervised predictions (it can differ from ``valid.sum()``, e.g. EAGLE-3
+    drops out-of-draft-vocabulary targets from the loss but keeps them as chain misses); ``metrics``
+    holds family-specific scalars to log (e.g. ``candidate_recall``).
+    """
+
+    loss: Tensor
+    correct: Tensor
+    valid: Tensor
+    valid_tokens: Tensor | None = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.correct.shape != self.valid.shape or self.correct.dim() != 2:
+            raise ValueError(
+                f"DraftOutput.correct and .valid must both be [M, K], got {tuple(self.correct.shape)} and "
+                f"{tuple(self.valid.shape)}"
+            )
+        if self.valid_tokens is None:
+            self.valid_tokens = self.valid.sum()
+
+    def detach(self) -> DraftOutput:
+        return DraftOutput(
+            loss=self.loss.detach(),
+            correct=self.correct.detach(),
+            valid=self.valid.detach(),
+            valid_tokens=torch.as_tensor(self.valid_tokens).detach(),
+            metrics={k: v.detach() for k, v in self.metrics.items()},
+        )

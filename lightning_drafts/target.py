@@ -1,0 +1,239 @@
+"""FrozenTarget: the frozen Hugging Face causal LM a draft learns from, run with packed documents isolated."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from lightning_drafts.attention import (
+    additive_mask,
+    block_causal_mask,
+    block_mask_from_mask_mod,
+    document_causal_mask_mod,
+    resolve_backend,
+)
+from lightning_drafts.batch import PackedBatch, varlen_layout
+
+TargetSpec = str | dict | PreTrainedModel
+
+# Our backend names -> transformers' attention implementation names.
+HF_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": "flash_attention_2"}
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What one frozen forward gives a draft.
+
+    ``hidden_states[i]`` is the output of decoder layer ``layer_ids[i]`` (HF ``hidden_states[l + 1]``),
+    ``[B, T, H]`` each; ``last_hidden_state`` is the final-norm output the LM head reads.
+    """
+
+    hidden_states: tuple[Tensor, ...]
+    last_hidden_state: Tensor
+
+
+def build_causal_lm(spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0) -> PreTrainedModel:
+    """A causal LM from a hub id / local path, a config dict (random weights, seeded), or an instance."""
+    if isinstance(spec, PreTrainedModel):
+        return spec
+    if isinstance(spec, dict):
+        fields = dict(spec)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"a target config dict needs 'model_type' (e.g. 'llama', 'qwen3'), got keys {sorted(spec)}")
+        config = AutoConfig.for_model(model_type, **fields)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=_as_dtype(dtype))
+        return model
+    if isinstance(spec, str):
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=_as_dtype(dtype) or "auto")
+    raise ValueError(
+        f"target must be a hub id / local path (str), a config dict or a transformers PreTrainedModel, "
+        f"got {type(spec).__name__}"
+    )
+
+
+class FrozenTarget(nn.Module):
+    """A frozen causal LM: never trains, never caches, and never lets packed documents see each other.
+
+    Args:
+        model: hub id / local path, config dict (with ``model_type``; random weights from ``seed``), or
+            a ``PreTrainedModel``.
+        attn_backend: ``"auto"`` (flash-attn varlen on CUDA if installed, else flex on CUDA, else SDPA),
+            or one of ``"sdpa"``, ``"eager"``, ``"flex"``, ``"flash"``. Resolved on the first forward,
+            once the device is known; an unavailable explicit choice raises.
+        dtype: parameter dtype (``None`` keeps the model's / checkpoint's).
+        seed: the seed of random weights built from a config dict.
+    """
+
+    def __init__(
+        self,
+        model: TargetSpec,
+        attn_backend: str = "auto",
+        dtype: torch.dtype | str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.model = build_causal_lm(model, dtype=dtype, seed=seed)
+        if dtype is not None:
+            self.model.to(_as_dtype(dtype))
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self.requested_backend = attn_backend
+        self.backend: str | None = None
+        if attn_backend not in ("auto", *HF_ATTENTION):
+            raise ValueError(f"attn_backend {attn_backend!r} is unknown; choose 'auto' or one of {tuple(HF_ATTENTION)}")
+
+    # The target never leaves eval mode: dropout or MoE training-time behaviour would corrupt the teacher.
+    def train(self, mode: bool = True) -> FrozenTarget:
+        return super().train(False)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def text_config(self) -> Any:
+        return self.model.config.get_text_config()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.get_decoder().layers
+
+    @property
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @torch.no_grad()
+    def forward(self, packed: PackedBatch, layer_ids: Sequence[int] = ()) -> TargetOutput:
+        """Run the whole micro-batch once; capture the outputs of ``layer_ids`` and the final hidden state."""
+        self._check_layer_ids(layer_ids)
+        backend = self._select_backend(packed.input_ids.device)
+        captured: dict[int, Tensor] = {}
+        hooks = [self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)]
+        try:
+            if backend == "flash":
+                last_hidden = self._forward_varlen(packed, captured)
+            else:
+                last_hidden = self._decoder(
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    attention_mask=self._document_mask(packed, backend),
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return TargetOutput(hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden)
+
+    @torch.no_grad()
+    def logits(self, last_hidden_state: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        """Teacher logits in the target dtype, over the full vocabulary or only the rows ``vocab_ids``.
+
+        Restricting before the matmul avoids ever materialising ``[B, T, V]`` for a draft vocabulary.
+        """
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if vocab_ids is not None:
+            weight = weight.index_select(0, vocab_ids)
+            bias = None if bias is None else bias.index_select(0, vocab_ids)
+        return nn.functional.linear(last_hidden_state, weight, bias)
+
+    @torch.no_grad()
+    def greedy_tokens(self, last_hidden_state: Tensor, chunk_tokens: int = 4096) -> Tensor:
+        """Full-vocabulary argmax per position, computed in chunks so ``[B, T, V]`` never exists at once."""
+        flat = last_hidden_state.reshape(-1, last_hidden_state.shape[-1])
+        pieces = [self.logits(part).argmax(dim=-1) for part in flat.split(chunk_tokens)]
+        return torch.cat(pieces).reshape(last_hidden_state.shape[:-1])
+
+    def _decoder(self, **inputs: Any) -> Tensor:
+        return self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+    def _document_mask(self, packed: PackedBatch, backend: str) -> Any:
+        if backend == "flex":
+            batch, width = packed.shape
+            mask_mod = document_causal_mask_mod(packed.doc_ids)
+            return block_mask_from_mask_mod(mask_mod, batch, width, width, packed.input_ids.device)
+        mask = block_causal_mask(packed.doc_ids)
+        # eager attention adds its mask to the scores, so it must get the additive form.
+        return additive_mask(mask, self.model.dtype) if backend == "eager" else mask
+
+    def _forward_varlen(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
+        """FlashAttention varlen over the real tokens only: padding costs nothing, any batch size works."""
+        layout = varlen_layout(packed)
+        batch, width = packed.shape
+        hidden = self._decoder(
+            input_ids=packed.input_ids.reshape(1, -1)[:, layout.token_index],
+            position_ids=packed.position_ids.reshape(1, -1)[:, layout.token_index],
+            cu_seq_lens_q=layout.cu_seqlens,
+            cu_seq_lens_k=layout.cu_seqlens,
+            max_length_q=layout.max_seqlen,
+            max_length_k=layout.max_seqlen,
+        )
+        for layer_id, state in captured.items():
+            captured[layer_id] = _scatter_rows(state[0], layout.token_index, batch, width)
+        return _scatter_rows(hidden[0], layout.token_index, batch, width)
+
+    def _select_backend(self, device: torch.device) -> str:
+        backend = resolve_backend(self.requested_backend, device)
+        if backend != self.backend:
+            self.model.set_attn_implementation(HF_ATTENTION[backend])
+            self.backend = backend
+        return backend
+
+    def _check_layer_ids(self, layer_ids: Sequence[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"target layer ids {bad} are outside the target's {self.num_layers} decoder layers "
+                f"(valid: 0..{self.num_layers - 1}; ids name layer outputs, HF hidden_states[id + 1])"
+            )
+
+
+def default_capture_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default captured layers ``[1, N // 2 - 1, N - 4]`` (eagle3.md §2.1)."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(ids)) != 3 or min(ids) < 0 or max(ids) >= num_layers or ids != sorted(ids):
+        raise ValueError(
+            f"a target with {num_layers} layers is too shallow for the default capture layers {ids}; "
+            "pass three distinct ascending target_layer_ids explicitly"
+        )
+    return ids
+
+
+def _capture_into(store: dict[int, Tensor], layer_id: int):
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        store[layer_id] = output[0] if isinstance(output, tuple) else output
+
+    return hook
+
+
+def _scatter_rows(flat: Tensor, token_index: Tensor, batch: int, width: int) -> Tensor:
+    out = flat.new_zeros(batch * width, flat.shape[-1])
+    out[token_index] = flat
+    return out.reshape(batch, width, -1)
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return resolved

@@ -1,0 +1,97 @@
+"""Tiny random target configs (built offline) and packed / padded batch builders shared by tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+
+TINY_TARGETS = {
+    "llama": {
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 8,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def packed_row(docs: list[torch.Tensor], width: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """One contract row holding ``docs`` back to back, trailing padding folded into the last document."""
+    lengths = [len(d) for d in docs]
+    pad = width - sum(lengths)
+    assert pad >= 0
+    ids = torch.cat([*docs, torch.full((pad,), pad_id, dtype=torch.long)])
+    positions = torch.cat([torch.arange(n) for n in lengths[:-1]] + [torch.arange(lengths[-1] + pad)])
+    return {
+        "input_ids": ids[None],
+        "attention_mask": (torch.arange(width) < sum(lengths)).long()[None],
+        "loss_mask": (torch.arange(width) < sum(lengths)).long()[None],
+        "position_ids": positions[None],
+        "seq_lens": torch.tensor([lengths[:-1] + [lengths[-1] + pad]]),
+    }
+
+
+def padded_rows(docs: list[torch.Tensor], width: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The same documents one per row, right-padded, with no packing metadata (derived by the contract)."""
+    ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(docs), width, dtype=torch.long)
+    for row, doc in enumerate(docs):
+        ids[row, : len(doc)] = doc
+        mask[row, : len(doc)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.clone()}
+
+
+def stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack single-row batches, zero-padding ``seq_lens`` to the widest row."""
+    width = max(r["seq_lens"].shape[1] for r in rows)
+    out = {k: torch.cat([r[k] for r in rows]) for k in rows[0] if k != "seq_lens"}
+    out["seq_lens"] = torch.cat(
+        [torch.nn.functional.pad(r["seq_lens"], (0, width - r["seq_lens"].shape[1])) for r in rows]
+    )
+    return out
+
+
+def random_docs(lengths: list[int], vocab: int = VOCAB, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]

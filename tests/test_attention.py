@@ -1,0 +1,75 @@
+"""Mask builders: the flex mask_mod materialises to the SDPA mask; kernel requests never fall back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_drafts.attention import (
+    attention_with_lse,
+    block_causal_mask,
+    dense_mask_from_mask_mod,
+    document_causal_mask_mod,
+    resolve_backend,
+)
+from lightning_drafts.batch import validate_batch
+from tests.builders import packed_row, random_docs, stack_rows
+
+
+def packed_example():
+    a, b, c, d = random_docs([3, 2, 4, 5])
+    return validate_batch(stack_rows([packed_row([a, b], 9), packed_row([c, d], 9)]))
+
+
+def test_block_causal_mask_by_hand():
+    mask = block_causal_mask(packed_example().doc_ids)[0, 0].int()
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0, 0],
+            [0, 0, 0, 1, 0, 0, 0, 0, 0],
+            [0, 0, 0, 1, 1, 0, 0, 0, 0],
+            [0, 0, 0, 1, 1, 1, 0, 0, 0],  # pad slots are folded into the last document
+            [0, 0, 0, 1, 1, 1, 1, 0, 0],
+            [0, 0, 0, 1, 1, 1, 1, 1, 0],
+            [0, 0, 0, 1, 1, 1, 1, 1, 1],
+        ]
+    )
+    assert torch.equal(mask, expected)
+
+
+def test_flex_mask_mod_materialises_to_the_sdpa_mask_including_pad_folding():
+    packed = packed_example()
+    batch, width = packed.shape
+    flex = dense_mask_from_mask_mod(document_causal_mask_mod(packed.doc_ids), batch, width, width, torch.device("cpu"))
+    assert torch.equal(flex, block_causal_mask(packed.doc_ids))
+
+
+def test_attention_with_lse_matches_sdpa_and_never_returns_nan():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 4, generator=gen) for _ in range(3))
+    mask = block_causal_mask(packed_example().doc_ids)
+    out, lse = attention_with_lse(q, k, v, mask, scale=0.5)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+    torch.testing.assert_close(out, reference)
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+
+    mask = mask.clone()
+    mask[0, 0, 4] = False  # a query that sees nothing
+    out, lse = attention_with_lse(q, k, v, mask, scale=0.5)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0, :, 4], torch.zeros_like(out[0, :, 4]))
+    assert torch.isneginf(lse[0, :, 4]).all()
+
+
+def test_auto_backend_is_sdpa_on_cpu():
+    assert resolve_backend("auto", "cpu") == "sdpa"
+    assert resolve_backend("flex", "cpu") == "flex"
+
+
+@pytest.mark.parametrize(("requested", "match"), [("flash", "flash-attn"), ("xformers", "unknown")])
+def test_unavailable_or_unknown_backend_raises(requested, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_backend(requested, "cpu")

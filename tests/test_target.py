@@ -1,0 +1,129 @@
+"""FrozenTarget: packed documents are isolated, packed == padded, captures match HF hidden states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_drafts.batch import validate_batch
+from lightning_drafts.target import FrozenTarget, default_capture_layers
+from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
+
+CPU_BACKENDS = ("sdpa", "eager", "flex")
+LAYERS = (1, 3, 6)
+
+
+def tolerance(config: dict) -> dict:
+    # MoE expert matmuls see a different token batch when another document changes.
+    return {"atol": 1e-5, "rtol": 1e-5} if config["model_type"] == "deepseek_v3" else {"atol": 0.0, "rtol": 0.0}
+
+
+def run(target: FrozenTarget, batch: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
+    packed = validate_batch(batch, vocab_size=target.vocab_size)
+    out = target(packed, LAYERS)
+    return list(out.hidden_states), target.logits(out.last_hidden_state)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_perturbing_one_document_leaves_the_others_untouched(target_config, backend):
+    target = FrozenTarget(target_config, attn_backend=backend)
+    a, b, c = random_docs([5, 7, 9])
+    batch = stack_rows([packed_row([a, b], 16), packed_row([c], 16)])
+    perturbed = {k: v.clone() for k, v in batch.items()}
+    perturbed["input_ids"][0, 5:12] = (perturbed["input_ids"][0, 5:12] + 1) % target.vocab_size
+
+    hidden, logits = run(target, batch)
+    hidden_p, logits_p = run(target, perturbed)
+
+    tol = tolerance(target_config)
+    for h, hp in zip(hidden, hidden_p, strict=True):
+        torch.testing.assert_close(hp[0, :5], h[0, :5], **tol)
+        torch.testing.assert_close(hp[1, :9], h[1, :9], **tol)
+        assert not torch.allclose(hp[0, 5:12], h[0, 5:12])
+    torch.testing.assert_close(logits_p[0, :5], logits[0, :5], **tol)
+    assert not torch.allclose(logits_p[0, 5:12], logits[0, 5:12])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_packed_row_equals_padded_rows(target_config, backend):
+    target = FrozenTarget(target_config, attn_backend=backend)
+    docs = random_docs([6, 4, 9], seed=1)
+    packed_hidden, packed_logits = run(target, packed_row(docs, 24))
+    padded_hidden, padded_logits = run(target, padded_rows(docs, 12))
+
+    starts = [0, 6, 10]
+    for row, (start, doc) in enumerate(zip(starts, docs, strict=True)):
+        span = slice(start, start + len(doc))
+        for hp, hd in zip(packed_hidden, padded_hidden, strict=True):
+            torch.testing.assert_close(hp[0, span], hd[row, : len(doc)], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(packed_logits[0, span], padded_logits[row, : len(doc)], atol=2e-5, rtol=1e-4)
+
+
+def test_captured_layers_are_hf_layer_outputs(target_config):
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    ids = random_docs([10], seed=2)[0][None]
+    hidden, logits = run(target, {"input_ids": ids})
+    reference = target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    for layer, captured in zip(LAYERS, hidden, strict=True):
+        torch.testing.assert_close(captured, reference.hidden_states[layer + 1])
+    torch.testing.assert_close(logits, reference.logits)
+
+
+def test_restricted_logits_and_chunked_greedy_tokens_match_full_vocabulary():
+    target = FrozenTarget(TINY_TARGETS["qwen3"])
+    packed = validate_batch({"input_ids": random_docs([12], seed=3)[0][None]})
+    last = target(packed).last_hidden_state
+    full = target.logits(last)
+    vocab_ids = torch.tensor([5, 1, 40, 7])
+    torch.testing.assert_close(target.logits(last, vocab_ids), full[..., vocab_ids])
+    assert torch.equal(target.greedy_tokens(last, chunk_tokens=5), full.argmax(-1))
+
+
+def test_target_is_frozen_and_stays_in_eval_mode():
+    target = FrozenTarget(TINY_TARGETS["llama"])
+    target.train()
+    assert not target.model.training
+    assert not any(p.requires_grad for p in target.parameters())
+    out = target(validate_batch({"input_ids": random_docs([8])[0][None]}), LAYERS)
+    assert not out.last_hidden_state.requires_grad
+
+
+def test_config_dict_targets_are_seeded():
+    first = FrozenTarget(TINY_TARGETS["llama"], seed=3).model.state_dict()
+    second = FrozenTarget(TINY_TARGETS["llama"], seed=3).model.state_dict()
+    other = FrozenTarget(TINY_TARGETS["llama"], seed=4).model.state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model": {"vocab_size": 8}}, "model_type"),
+        ({"model": 3}, "PreTrainedModel"),
+        ({"model": TINY_TARGETS["llama"], "attn_backend": "xformers"}, "xformers"),
+        ({"model": TINY_TARGETS["llama"], "dtype": "float99"}, "float99"),
+    ],
+)
+def test_bad_target_arguments_fail_loud(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FrozenTarget(**kwargs)
+
+
+def test_out_of_range_layer_ids_fail_loud():
+    target = FrozenTarget(TINY_TARGETS["llama"])
+    with pytest.raises(ValueError, match=r"\[8\]"):
+        target(validate_batch({"input_ids": random_docs([4])[0][None]}), [1, 8])
+
+
+def test_flash_backend_refused_without_flash_attn_on_cuda():
+    target = FrozenTarget(TINY_TARGETS["llama"], attn_backend="flash")
+    with pytest.raises(ValueError, match="flash-attn"):
+        target(validate_batch({"input_ids": random_docs([4])[0][None]}))
+
+
+def test_default_capture_layers():
+    assert default_capture_layers(16) == [1, 7, 12]
+    assert default_capture_layers(61) == [1, 29, 57]
+    with pytest.raises(ValueError, match="too shallow"):
+        default_capture_layers(6)
