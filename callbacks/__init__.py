@@ -1,5 +1,6 @@
 """Callbacks that turn each step's DraftOutput and batch into training logs."""
 
 from callbacks.acceptance import AcceptanceCallback
+from callbacks.throughput import ThroughputCallback
 
-__all__ = ["AcceptanceCallback"]
+__all__ = ["AcceptanceCallback", "ThroughputCallback"]

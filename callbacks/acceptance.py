@@ -60,7 +60,9 @@ class AcceptanceCallback(L.Callback):
         stats = metric.compute()
         for name, value in stats.items():
             # compute() already summed over ranks; a second reduction would double count.
-            pl_module.log(f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, prog_bar=name == "accept_len")
+            pl_module.log(
+                f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, prog_bar=name == "accept_len"
+            )
         metric.reset()
         return stats
 

@@ -18,7 +18,9 @@ from torchmetrics import Metric
 def prefix_counts(correct: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """``hits[k]`` and ``chain_valid[k]`` (long ``[K]``) from bool ``[M, K]`` chains."""
     if correct.shape != valid.shape or correct.dim() != 2:
-        raise ValueError(f"correct and valid must both be [M, K], got {tuple(correct.shape)} and {tuple(valid.shape)}")
+        raise ValueError(
+            f"correct and valid must both be [M, K], got {tuple(correct.shape)} and {tuple(valid.shape)}"
+        )
     hits = (correct & valid).long().cumprod(dim=1).sum(dim=0)
     chain_valid = valid.long().cumprod(dim=1).sum(dim=0)
     return hits, chain_valid
@@ -48,7 +50,9 @@ class AcceptanceStats(Metric):
 
     def update(self, correct: Tensor, valid: Tensor, valid_tokens: Tensor | int | None = None) -> None:
         if correct.shape[1] != self.positions:
-            raise ValueError(f"expected chains of {self.positions} positions, got shape {tuple(correct.shape)}")
+            raise ValueError(
+                f"expected chains of {self.positions} positions, got shape {tuple(correct.shape)}"
+            )
         hits, chain_valid = prefix_counts(correct, valid)
         self.hits += hits
         self.chain_valid += chain_valid

@@ -79,7 +79,9 @@ def block_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: 
     return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
 
 
-def dense_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+def dense_mask_from_mask_mod(
+    mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device
+) -> Tensor:
     """Materialise a ``mask_mod`` as a boolean ``[B, 1, Q, KV]`` tensor (used to prove masks equal)."""
     from torch.nn.attention.flex_attention import create_mask
 
@@ -110,11 +112,19 @@ def attention_with_lse(
 
 
 def flash_varlen_attention(
-    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool = True
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    scale: float,
+    causal: bool = True,
 ) -> Tensor:
     """FlashAttention over documents laid end to end: ``[total, heads, dim]`` in, same layout out."""
     if not flash_attn_available():
-        raise ValueError("flash_varlen_attention needs flash-attn on a CUDA device; install the 'flash' extra")
+        raise ValueError(
+            "flash_varlen_attention needs flash-attn on a CUDA device; install the 'flash' extra"
+        )
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(

@@ -7,6 +7,7 @@ builds the optimiser, and keeps the target out of checkpoints. A family subclass
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,9 @@ from lightning_drafts.schedule import warmup_cosine
 from lightning_drafts.target import FrozenTarget, TargetSpec
 
 TARGET_PREFIX = "target."
+
+# The frozen target is in eval mode on purpose (FrozenTarget.train keeps it there).
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 class DraftModule(L.LightningModule):
@@ -50,9 +54,9 @@ class DraftModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
-        self.target = FrozenTarget(target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed)
-        # Checkpoints hold only the draft; the target's keys are expected to be missing on load.
-        self.strict_loading = False
+        self.target = FrozenTarget(
+            target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed
+        )
 
     # --- the objective -------------------------------------------------------------------------
 
@@ -93,7 +97,10 @@ class DraftModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), weight_decay=self.hparams.weight_decay
+            params,
+            lr=self.hparams.learning_rate,
+            betas=tuple(self.hparams.betas),
+            weight_decay=self.hparams.weight_decay,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -115,6 +122,13 @@ class DraftModule(L.LightningModule):
                 f"the checkpoint lacks draft weights {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                 "it was written by a different draft configuration"
             )
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        # Checkpoints hold only the draft: the target keeps the weights it was built with.
+        target_state = {k: v for k, v in self.state_dict().items() if k.startswith(TARGET_PREFIX)}
+        return super().load_state_dict({**target_state, **state_dict}, strict=strict, assign=assign)
 
     def draft_state_dict(self) -> dict[str, Tensor]:
         """The draft's weights and buffers only (what checkpoints and exports hold)."""

@@ -69,7 +69,9 @@ def validate_batch(batch: Mapping[str, Tensor], vocab_size: int | None = None) -
     """
     input_ids = _require_token_tensor(batch, "input_ids", shape=None)
     shape = tuple(input_ids.shape)
-    attention_mask = _flag(batch, "attention_mask", shape, default=torch.ones_like(input_ids, dtype=torch.bool))
+    attention_mask = _flag(
+        batch, "attention_mask", shape, default=torch.ones_like(input_ids, dtype=torch.bool)
+    )
     loss_mask = _flag(batch, "loss_mask", shape, default=attention_mask)
     _check_right_padded(attention_mask)
     _check_vocabulary(input_ids, vocab_size)
@@ -139,7 +141,9 @@ def document_layout(seq_lens: Tensor, width: int) -> tuple[Tensor, Tensor]:
 
 def doc_remaining(doc_ids: Tensor, doc_start: Tensor, attention_mask: Tensor) -> Tensor:
     """Real tokens strictly after each position inside its own document (0 on padding)."""
-    real_per_doc = torch.zeros(doc_ids.shape[0], int(doc_ids.max()) + 1, dtype=torch.long, device=doc_ids.device)
+    real_per_doc = torch.zeros(
+        doc_ids.shape[0], int(doc_ids.max()) + 1, dtype=torch.long, device=doc_ids.device
+    )
     real_per_doc.scatter_add_(1, doc_ids, attention_mask.long())
     last_real = doc_start + real_per_doc.gather(1, doc_ids) - 1
     positions = torch.arange(doc_ids.shape[1], device=doc_ids.device)
@@ -150,7 +154,9 @@ def varlen_layout(packed: PackedBatch) -> VarlenLayout:
     """Flatten the real tokens of all rows into one sequence with one segment per document."""
     mask = packed.attention_mask.reshape(-1)
     token_index = mask.nonzero().squeeze(1)
-    flat_docs = (packed.doc_ids + torch.arange(packed.shape[0], device=mask.device)[:, None] * packed.seq_lens.shape[1])
+    flat_docs = (
+        packed.doc_ids + torch.arange(packed.shape[0], device=mask.device)[:, None] * packed.seq_lens.shape[1]
+    )
     doc_of_token = flat_docs.reshape(-1)[token_index]
     lengths = torch.bincount(doc_of_token, minlength=packed.seq_lens.numel())
     lengths = lengths[lengths > 0]

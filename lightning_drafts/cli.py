@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningCLI
 
 from lightning_drafts.base import DraftModule
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 
-def warmup_cosine(step: int, total_steps: int, warmup_ratio: float = 0.05, min_lr_ratio: float = 0.1) -> float:
+def warmup_cosine(
+    step: int, total_steps: int, warmup_ratio: float = 0.05, min_lr_ratio: float = 0.1
+) -> float:
     """LR multiplier: linear warmup over ``max(1, warmup_ratio * total)`` steps, then cosine to ``min_lr_ratio``."""
     warmup = max(1, int(warmup_ratio * total_steps))
     if step < warmup:

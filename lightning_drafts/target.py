@@ -37,7 +37,9 @@ class TargetOutput:
     last_hidden_state: Tensor
 
 
-def build_causal_lm(spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0) -> PreTrainedModel:
+def build_causal_lm(
+    spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0
+) -> PreTrainedModel:
     """A causal LM from a hub id / local path, a config dict (random weights, seeded), or an instance."""
     if isinstance(spec, PreTrainedModel):
         return spec
@@ -45,7 +47,9 @@ def build_causal_lm(spec: TargetSpec, dtype: torch.dtype | str | None = None, se
         fields = dict(spec)
         model_type = fields.pop("model_type", None)
         if model_type is None:
-            raise ValueError(f"a target config dict needs 'model_type' (e.g. 'llama', 'qwen3'), got keys {sorted(spec)}")
+            raise ValueError(
+                f"a target config dict needs 'model_type' (e.g. 'llama', 'qwen3'), got keys {sorted(spec)}"
+            )
         config = AutoConfig.for_model(model_type, **fields)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -88,7 +92,9 @@ class FrozenTarget(nn.Module):
         self.requested_backend = attn_backend
         self.backend: str | None = None
         if attn_backend not in ("auto", *HF_ATTENTION):
-            raise ValueError(f"attn_backend {attn_backend!r} is unknown; choose 'auto' or one of {tuple(HF_ATTENTION)}")
+            raise ValueError(
+                f"attn_backend {attn_backend!r} is unknown; choose 'auto' or one of {tuple(HF_ATTENTION)}"
+            )
 
     # The target never leaves eval mode: dropout or MoE training-time behaviour would corrupt the teacher.
     def train(self, mode: bool = True) -> FrozenTarget:
@@ -128,7 +134,9 @@ class FrozenTarget(nn.Module):
         self._check_layer_ids(layer_ids)
         backend = self._select_backend(packed.input_ids.device)
         captured: dict[int, Tensor] = {}
-        hooks = [self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)]
+        hooks = [
+            self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)
+        ]
         try:
             if backend == "flash":
                 last_hidden = self._forward_varlen(packed, captured)
@@ -141,7 +149,9 @@ class FrozenTarget(nn.Module):
         finally:
             for hook in hooks:
                 hook.remove()
-        return TargetOutput(hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden)
+        return TargetOutput(
+            hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden
+        )
 
     @torch.no_grad()
     def logits(self, last_hidden_state: Tensor, vocab_ids: Tensor | None = None) -> Tensor:

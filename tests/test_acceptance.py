@@ -39,7 +39,9 @@ def test_stats_split_over_updates_equal_one_update():
     for part in range(0, 50, 7):
         split.update(correct[part : part + 7], valid[part : part + 7])
     a, b = whole.compute(), split.compute()
-    assert a.keys() == b.keys() == {"accept_len", "acc_pos0", "acc_pos1", "acc_pos2", "acc_pos3", "valid_tokens"}
+    assert (
+        a.keys() == b.keys() == {"accept_len", "acc_pos0", "acc_pos1", "acc_pos2", "acc_pos3", "valid_tokens"}
+    )
     for key in a:
         assert torch.equal(a[key], b[key])
     assert float(a["acc_pos0"]) == pytest.approx(float((correct & valid)[:, 0].sum() / valid[:, 0].sum()))
@@ -47,4 +49,8 @@ def test_stats_split_over_updates_equal_one_update():
 
 def test_draft_output_rejects_mismatched_chains():
     with pytest.raises(ValueError, match="\\[M, K\\]"):
-        DraftOutput(loss=torch.zeros(()), correct=torch.zeros(3, 2, dtype=torch.bool), valid=torch.zeros(3, 4, dtype=torch.bool))
+        DraftOutput(
+            loss=torch.zeros(()),
+            correct=torch.zeros(3, 2, dtype=torch.bool),
+            valid=torch.zeros(3, 4, dtype=torch.bool),
+        )

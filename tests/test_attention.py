@@ -42,7 +42,9 @@ def test_block_causal_mask_by_hand():
 def test_flex_mask_mod_materialises_to_the_sdpa_mask_including_pad_folding():
     packed = packed_example()
     batch, width = packed.shape
-    flex = dense_mask_from_mask_mod(document_causal_mask_mod(packed.doc_ids), batch, width, width, torch.device("cpu"))
+    flex = dense_mask_from_mask_mod(
+        document_causal_mask_mod(packed.doc_ids), batch, width, width, torch.device("cpu")
+    )
     assert torch.equal(flex, block_causal_mask(packed.doc_ids))
 
 

@@ -24,7 +24,10 @@ def test_derived_metadata_matches_the_worked_example():
 
 
 def test_padded_batch_is_one_document_per_row():
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 0], [1, 2, 3, 4]]), "attention_mask": torch.tensor([[1, 1, 1, 0], [1] * 4])}
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 0], [1, 2, 3, 4]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 0], [1] * 4]),
+    }
     packed = validate_batch(batch)
     assert packed.seq_lens.tolist() == [[4], [4]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
@@ -70,28 +73,58 @@ BAD_BATCHES = {
     "empty batch": ({"input_ids": torch.zeros(0, 8, dtype=torch.long)}, "empty"),
     "input_ids rank": (with_change("input_ids", lambda b: b["input_ids"][0]), "input_ids.*2-D"),
     "input_ids dtype": (with_change("input_ids", lambda b: b["input_ids"].float()), "input_ids.*integers"),
-    "attention_mask shape": (with_change("attention_mask", lambda b: b["attention_mask"][:, :4]), "attention_mask.*shape"),
-    "attention_mask values": (with_change("attention_mask", lambda b: b["attention_mask"] * 2), "attention_mask.*0 and 1"),
-    "attention_mask float": (with_change("attention_mask", lambda b: b["attention_mask"].float()), "attention_mask.*dtype"),
-    "all padding": (with_change("attention_mask", lambda b: torch.zeros_like(b["attention_mask"])), "no real token"),
+    "attention_mask shape": (
+        with_change("attention_mask", lambda b: b["attention_mask"][:, :4]),
+        "attention_mask.*shape",
+    ),
+    "attention_mask values": (
+        with_change("attention_mask", lambda b: b["attention_mask"] * 2),
+        "attention_mask.*0 and 1",
+    ),
+    "attention_mask float": (
+        with_change("attention_mask", lambda b: b["attention_mask"].float()),
+        "attention_mask.*dtype",
+    ),
+    "all padding": (
+        with_change("attention_mask", lambda b: torch.zeros_like(b["attention_mask"])),
+        "no real token",
+    ),
     "padding before a real token": (
         with_change("attention_mask", torch.tensor([[1, 1, 0, 1, 1, 0, 0, 0], [1] * 8])),
         "attention_mask row 0.*after padding",
     ),
-    "loss_mask on padding": (with_change("loss_mask", torch.ones(2, 8, dtype=torch.long)), "loss_mask.*padding.*row 0, position 5"),
-    "token outside vocabulary": (with_change("input_ids", lambda b: b["input_ids"].index_fill(1, torch.tensor([2]), 96)), "input_ids\\[0, 2\\] = 96"),
-    "negative token": (with_change("input_ids", lambda b: b["input_ids"].index_fill(1, torch.tensor([1]), -1)), "input_ids\\[0, 1\\] = -1"),
+    "loss_mask on padding": (
+        with_change("loss_mask", torch.ones(2, 8, dtype=torch.long)),
+        "loss_mask.*padding.*row 0, position 5",
+    ),
+    "token outside vocabulary": (
+        with_change("input_ids", lambda b: b["input_ids"].index_fill(1, torch.tensor([2]), 96)),
+        "input_ids\\[0, 2\\] = 96",
+    ),
+    "negative token": (
+        with_change("input_ids", lambda b: b["input_ids"].index_fill(1, torch.tensor([1]), -1)),
+        "input_ids\\[0, 1\\] = -1",
+    ),
     "seq_lens without position_ids": (without("position_ids"), "seq_lens was given without position_ids"),
     "seq_lens rank": (with_change("seq_lens", torch.tensor([8, 8])), "seq_lens.*\\[B, D\\]"),
     "seq_lens dtype": (with_change("seq_lens", lambda b: b["seq_lens"].float()), "seq_lens.*integers"),
-    "seq_lens row sum": (with_change("seq_lens", torch.tensor([[3, 4], [8, 0]])), "seq_lens'\\] row 0 = \\[3, 4\\] sums to 7"),
+    "seq_lens row sum": (
+        with_change("seq_lens", torch.tensor([[3, 4], [8, 0]])),
+        "seq_lens'\\] row 0 = \\[3, 4\\] sums to 7",
+    ),
     "seq_lens negative": (with_change("seq_lens", torch.tensor([[3, 5], [9, -1]])), "negative"),
     "position_ids not restarting": (
         with_change("position_ids", torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], list(range(8))])),
         "position_ids\\[0, 3\\] = 3.*offset 0",
     ),
-    "position_ids dtype": (with_change("position_ids", lambda b: b["position_ids"].float()), "position_ids.*integers"),
-    "doc_remaining inconsistent": (with_change("doc_remaining", torch.zeros(2, 8, dtype=torch.long)), "doc_remaining\\[0, 0\\] = 0"),
+    "position_ids dtype": (
+        with_change("position_ids", lambda b: b["position_ids"].float()),
+        "position_ids.*integers",
+    ),
+    "doc_remaining inconsistent": (
+        with_change("doc_remaining", torch.zeros(2, 8, dtype=torch.long)),
+        "doc_remaining\\[0, 0\\] = 0",
+    ),
 }
 
 

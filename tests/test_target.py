@@ -15,7 +15,9 @@ LAYERS = (1, 3, 6)
 
 def tolerance(config: dict) -> dict:
     # MoE expert matmuls see a different token batch when another document changes.
-    return {"atol": 1e-5, "rtol": 1e-5} if config["model_type"] == "deepseek_v3" else {"atol": 0.0, "rtol": 0.0}
+    return (
+        {"atol": 1e-5, "rtol": 1e-5} if config["model_type"] == "deepseek_v3" else {"atol": 0.0, "rtol": 0.0}
+    )
 
 
 def run(target: FrozenTarget, batch: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -56,7 +58,9 @@ def test_packed_row_equals_padded_rows(target_config, backend):
         span = slice(start, start + len(doc))
         for hp, hd in zip(packed_hidden, padded_hidden, strict=True):
             torch.testing.assert_close(hp[0, span], hd[row, : len(doc)], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(packed_logits[0, span], padded_logits[row, : len(doc)], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            packed_logits[0, span], padded_logits[row, : len(doc)], atol=2e-5, rtol=1e-4
+        )
 
 
 def test_captured_layers_are_hf_layer_outputs(target_config):

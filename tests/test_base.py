@@ -1,0 +1,109 @@
+"""DraftModule: trains in a Trainer, logs to TensorBoard, checkpoints hold only the draft, resume works."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from callbacks import ThroughputCallback
+from lightning_drafts import DraftModule, DraftOutput
+from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+
+
+class NextTokenProbe(DraftModule):
+    """The smallest draft: a linear head on one captured layer predicting the target's greedy next token."""
+
+    def __init__(self, target: dict, learning_rate: float = 1e-2) -> None:
+        super().__init__(target=target, learning_rate=learning_rate)
+        self.head = nn.Linear(self.target.text_config.hidden_size, self.target.vocab_size)
+
+    def compute_loss(self, batch, anchors=None) -> DraftOutput:
+        packed = self.prepare_batch(batch)
+        out = self.target(packed, [2])
+        teacher = self.target.greedy_tokens(out.last_hidden_state)
+        logits = self.head(out.hidden_states[0])
+        supervised = packed.loss_mask
+        loss = nn.functional.cross_entropy(logits[supervised], teacher[supervised])
+        correct = (logits.argmax(-1) == teacher)[supervised][:, None]
+        return DraftOutput(loss=loss, correct=correct, valid=torch.ones_like(correct))
+
+
+def batches(count: int = 4) -> list[dict]:
+    return [stack_rows([packed_row(random_docs([5, 7], seed=i), 16)]) for i in range(count)]
+
+
+def squeeze(batch: dict) -> dict:
+    return {k: v[0] for k, v in batch.items()}
+
+
+def loader():
+    return torch.utils.data.DataLoader([squeeze(b) for b in batches()], batch_size=1)
+
+
+def trainer(tmp_path, **kwargs) -> L.Trainer:
+    kwargs.setdefault("logger", L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb", version=0))
+    kwargs.setdefault("max_steps", 6)
+    return L.Trainer(
+        accelerator="cpu",
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def test_training_logs_loss_and_acceptance_to_tensorboard(tmp_path):
+    module = NextTokenProbe(TINY_TARGETS["llama"])
+    trainer(tmp_path, limit_val_batches=2, callbacks=[ThroughputCallback()]).fit(module, loader(), loader())
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {
+        "train/loss",
+        "train/accept_len",
+        "train/acc_pos0",
+        "train/valid_tokens",
+        "val/loss",
+        "val/accept_len",
+    } <= tags
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert all(1.0 <= e.value <= 2.0 for e in events.Scalars("train/accept_len"))
+    assert "val/acceptance_by_position" in events.Tags()["histograms"]
+    # Each row holds 12 real tokens in 16 slots.
+    assert all(e.value == 0.25 for e in events.Scalars("train/padding_fraction"))
+    assert all(e.value > 0 for e in events.Scalars("train/real_tokens_per_s"))
+
+
+def test_checkpoint_holds_only_the_draft_and_resumes(tmp_path):
+    module = NextTokenProbe(TINY_TARGETS["llama"])
+    fit = trainer(tmp_path, logger=False, max_steps=3)
+    fit.fit(module, loader())
+    path = tmp_path / "draft.ckpt"
+    fit.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert set(state) == {"head.weight", "head.bias"}
+
+    resumed = NextTokenProbe(TINY_TARGETS["llama"])
+    again = trainer(tmp_path, logger=False, max_steps=5)
+    again.fit(resumed, loader(), ckpt_path=path)
+    assert again.global_step == 5
+    loaded = NextTokenProbe.load_from_checkpoint(path, target=TINY_TARGETS["llama"])
+    torch.testing.assert_close(loaded.head.weight, module.head.weight)
+
+
+def test_a_checkpoint_missing_draft_weights_is_refused(tmp_path):
+    module = NextTokenProbe(TINY_TARGETS["llama"])
+    fit = trainer(tmp_path, logger=False, max_steps=1)
+    fit.fit(module, loader())
+    path = tmp_path / "draft.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint["state_dict"]["head.bias"]
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="head.bias"):
+        NextTokenProbe.load_from_checkpoint(path, target=TINY_TARGETS["llama"])
