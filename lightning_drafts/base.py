@@ -38,6 +38,9 @@ class DraftModule(L.LightningModule):
         target_dtype: the target's parameter dtype (``None`` keeps the checkpoint's).
         learning_rate, betas, weight_decay: AdamW over the draft's trainable parameters.
         warmup_ratio, min_lr_ratio: the warmup-cosine schedule over the run's optimizer steps.
+        shard_target: under ``ModelParallelStrategy`` (FSDP2), shard the target per decoder layer
+            instead of replicating it on every rank (for targets that do not fit one device).
+        activation_checkpointing: recompute each draft layer's activations in backward (FSDP2).
     """
 
     def __init__(
@@ -51,6 +54,8 @@ class DraftModule(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_ratio: float = 0.05,
         min_lr_ratio: float = 0.1,
+        shard_target: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
@@ -109,6 +114,33 @@ class DraftModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: shard each draft layer, then each draft root module.
+
+        The frozen target is replicated (it has no gradients or optimizer state to shard) unless
+        ``shard_target``, which shards it per decoder layer for targets too large for one device.
+        """
+        mesh = self.device_mesh
+        if mesh is None or getattr(self, "_fsdp_applied", False):
+            return
+        from torch.distributed._composable import checkpoint
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = mesh["data_parallel"]
+        draft_roots = [child for name, child in self.named_children() if name != "target"]
+        for root in draft_roots:
+            for layer in _repeated_layers(root):
+                if self.hparams.activation_checkpointing:
+                    checkpoint(layer)
+                fully_shard(layer, mesh=data_parallel)
+            if any(p.requires_grad for p in root.parameters()):
+                fully_shard(root, mesh=data_parallel)
+        if self.hparams.shard_target:
+            for layer in self.target.decoder_layers:
+                fully_shard(layer, mesh=data_parallel)
+            fully_shard(self.target.model, mesh=data_parallel)
+        self._fsdp_applied = True
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith(TARGET_PREFIX)]:
@@ -133,3 +165,8 @@ class DraftModule(L.LightningModule):
     def draft_state_dict(self) -> dict[str, Tensor]:
         """The draft's weights and buffers only (what checkpoints and exports hold)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(TARGET_PREFIX)}
+
+
+def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The elements of every ``ModuleList`` under ``module``: a draft's decoder layers, its FSDP units."""
+    return [layer for child in module.modules() if isinstance(child, torch.nn.ModuleList) for layer in child]

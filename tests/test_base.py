@@ -6,29 +6,10 @@ import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
 
 from callbacks import ThroughputCallback
-from lightning_drafts import DraftModule, DraftOutput
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-
-
-class NextTokenProbe(DraftModule):
-    """The smallest draft: a linear head on one captured layer predicting the target's greedy next token."""
-
-    def __init__(self, target: dict, learning_rate: float = 1e-2) -> None:
-        super().__init__(target=target, learning_rate=learning_rate)
-        self.head = nn.Linear(self.target.text_config.hidden_size, self.target.vocab_size)
-
-    def compute_loss(self, batch, anchors=None) -> DraftOutput:
-        packed = self.prepare_batch(batch)
-        out = self.target(packed, [2])
-        teacher = self.target.greedy_tokens(out.last_hidden_state)
-        logits = self.head(out.hidden_states[0])
-        supervised = packed.loss_mask
-        loss = nn.functional.cross_entropy(logits[supervised], teacher[supervised])
-        correct = (logits.argmax(-1) == teacher)[supervised][:, None]
-        return DraftOutput(loss=loss, correct=correct, valid=torch.ones_like(correct))
+from tests.probe_draft import NextTokenProbe
 
 
 def batches(count: int = 4) -> list[dict]:
