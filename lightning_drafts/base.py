@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -41,6 +42,9 @@ class DraftModule(L.LightningModule):
         shard_target: under ``ModelParallelStrategy`` (FSDP2), shard the target per decoder layer
             instead of replicating it on every rank (for targets that do not fit one device).
         activation_checkpointing: recompute each draft layer's activations in backward (FSDP2).
+        tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
+            target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
+            vocabulary is refused.
     """
 
     def __init__(
@@ -142,6 +146,8 @@ class DraftModule(L.LightningModule):
         self._fsdp_applied = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # `lightning-drafts export` rebuilds the right family from the checkpoint alone.
+        checkpoint["draft_class"] = f"{type(self).__module__}.{type(self).__qualname__}"
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith(TARGET_PREFIX)]:
             del state[key]
@@ -162,6 +168,10 @@ class DraftModule(L.LightningModule):
         target_state = {k: v for k, v in self.state_dict().items() if k.startswith(TARGET_PREFIX)}
         return super().load_state_dict({**target_state, **state_dict}, strict=strict, assign=assign)
 
+    def export(self, output_dir: Path) -> Path:
+        """Write the serving layout of this draft (implemented by each family)."""
+        raise NotImplementedError(f"{type(self).__name__} has no serving export")
+
     def draft_state_dict(self) -> dict[str, Tensor]:
         """The draft's weights and buffers only (what checkpoints and exports hold)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(TARGET_PREFIX)}
@@ -170,3 +180,9 @@ class DraftModule(L.LightningModule):
 def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The elements of every ``ModuleList`` under ``module``: a draft's decoder layers, its FSDP units."""
     return [layer for child in module.modules() if isinstance(child, torch.nn.ModuleList) for layer in child]
+
+
+def _with_tokenizer_vocab(target: TargetSpec, tokenizer_vocab_size: int | None) -> TargetSpec:
+    if isinstance(target, dict) and tokenizer_vocab_size is not None and "vocab_size" not in target:
+        return {**target, "vocab_size": tokenizer_vocab_size}
+    return target

@@ -1,0 +1,30 @@
+"""Export a trained draft checkpoint in the layout its serving engine loads."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from lightning_drafts.base import DraftModule
+
+
+def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None) -> DraftModule:
+    """Rebuild the draft family recorded in a Lightning checkpoint (its target rebuilt from hparams)."""
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    class_path = checkpoint.get("draft_class")
+    if not class_path:
+        raise ValueError(
+            f"{checkpoint_path} has no 'draft_class'; it was not written by a lightning-drafts DraftModule"
+        )
+    module_name, _, class_name = class_path.rpartition(".")
+    draft_class = getattr(importlib.import_module(module_name), class_name)
+    overrides = {} if target is None else {"target": target}
+    return draft_class.load_from_checkpoint(checkpoint_path, map_location="cpu", **overrides)
+
+
+def export_checkpoint(checkpoint_path: str | Path, output_dir: str | Path, target: str | None = None) -> Path:
+    """Load ``checkpoint_path`` and write its serving layout to ``output_dir``."""
+    module = load_draft_checkpoint(checkpoint_path, target=target)
+    return module.export(Path(output_dir))
