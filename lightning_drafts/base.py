@@ -66,6 +66,9 @@ class DraftModule(L.LightningModule):
         self.target = FrozenTarget(
             target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed
         )
+        # Checkpoints hold only the draft. Strategies that load state themselves (FSDP2) must not
+        # demand target keys; on_load_checkpoint still refuses a checkpoint missing draft keys.
+        self.strict_loading = False
 
     # --- the objective -------------------------------------------------------------------------
 
@@ -153,8 +156,10 @@ class DraftModule(L.LightningModule):
             del state[key]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "state_dict" not in checkpoint:
+            return  # ModelParallelStrategy has already loaded (and removed) the module state
         expected = {k for k in self.state_dict() if not k.startswith(TARGET_PREFIX)}
-        missing = sorted(expected - set(checkpoint.get("state_dict", {})))
+        missing = sorted(expected - set(checkpoint["state_dict"]))
         if missing:
             raise ValueError(
                 f"the checkpoint lacks draft weights {missing[:5]}{' ...' if len(missing) > 5 else ''}; "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +35,13 @@ def test_ddp_metrics_equal_the_single_process_reference(tmp_path):
     for key in ("val/accept_len", "val/acc_pos0", "val/valid_tokens"):
         assert two[key] == one[key], key
     assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-6)
+
+
+def test_fsdp2_trains_saves_a_target_free_checkpoint_and_resumes(tmp_path):
+    run_script("fsdp2_train.py", str(tmp_path), "train")
+    checkpoint = torch.load(tmp_path / "fsdp2.ckpt", weights_only=False)
+    assert set(checkpoint["state_dict"]) == {"head.weight", "head.bias"}
+    assert json.loads((tmp_path / "train.json").read_text()) == {"global_step": 3, "param_type": "DTensor"}
+
+    run_script("fsdp2_train.py", str(tmp_path), "resume")
+    assert json.loads((tmp_path / "resume.json").read_text())["global_step"] == 5
