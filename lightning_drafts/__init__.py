@@ -3,6 +3,15 @@
 from lightning_drafts.base import DraftModule
 from lightning_drafts.batch import PackedBatch, validate_batch
 from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.eagle3 import Eagle3Module, MLAEagle3Module
 from lightning_drafts.target import FrozenTarget
 
-__all__ = ["DraftModule", "DraftOutput", "FrozenTarget", "PackedBatch", "validate_batch"]
+__all__ = [
+    "DraftModule",
+    "DraftOutput",
+    "Eagle3Module",
+    "FrozenTarget",
+    "MLAEagle3Module",
+    "PackedBatch",
+    "validate_batch",
+]

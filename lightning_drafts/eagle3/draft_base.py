@@ -1,0 +1,164 @@
+"""The EAGLE-3 draft skeleton shared by the dense and the MLA draft (eagle3.md §4.2-4.3, §7).
+
+``fc`` fuses the three captured target layers; one decoder layer (``midlayer``) reads the concatenation
+of the normalised token embedding and the normalised carried hidden state (width ``2H``) and adds its
+attention output to the **carried hidden state** (not the embedding); ``norm`` + ``lm_head`` give logits
+over the draft vocabulary. Only the attention's q/k/v projections differ between the two drafts.
+
+Parameter names follow the EAGLE-3 serving layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+``embed_tokens``, ``d2t``, ``t2d``), so ``state_dict()`` is what vLLM and SGLang load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+from lightning_drafts.eagle3.ttt import TTTCache, ttt_attention
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back (what the HF targets and the serving kernels do)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = ACT2FN[hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TTTAttention(nn.Module):
+    """Attention over the TTT cache; subclasses supply the projections, RoPE and ``o_proj``."""
+
+    scale: float
+    o_proj: nn.Linear
+
+    def project(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` as ``[B, heads, T, d]`` with RoPE applied at ``positions`` and KV heads expanded."""
+        raise NotImplementedError(f"{type(self).__name__} must implement project")
+
+    def forward(self, fused: Tensor, positions: Tensor, cache: TTTCache, mask: Any) -> Tensor:
+        query, key, value = self.project(fused, positions)
+        out = ttt_attention(query, key, value, cache, mask, self.scale)
+        batch, _, width, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The draft's single decoder layer (``midlayer``)."""
+
+    def __init__(self, hidden_size: int, eps: float, self_attn: TTTAttention, mlp: GatedMLP) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.hidden_norm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(
+        self, embeds: Tensor, hidden: Tensor, positions: Tensor, cache: TTTCache, mask: Any
+    ) -> Tensor:
+        fused = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(fused, positions, cache, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    """An EAGLE-3 draft: frozen embedding copy, ``fc``, one ``midlayer``, ``norm``, ``lm_head``, d2t/t2d.
+
+    Args:
+        vocab_size: the target vocabulary ``V`` (embedding rows and ``t2d`` length).
+        hidden_size: the draft width ``H`` (the target's, as in the reference).
+        target_hidden_size: the width of each captured target layer.
+        draft_vocab_size: ``V_d``, the LM-head rows.
+        rms_norm_eps, initializer_range: from the target config.
+        midlayer: the decoder layer (it decides dense vs MLA attention).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        target_hidden_size: int,
+        draft_vocab_size: int,
+        rms_norm_eps: float,
+        initializer_range: float,
+        midlayer: Eagle3DecoderLayer,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * target_hidden_size, hidden_size, bias=False)
+        self.midlayer = midlayer
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        # Identity until a mapping is set: draft id i predicts target id i.
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(vocab_size) < draft_vocab_size)
+        self._initialize(initializer_range)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    @property
+    def selected_token_ids(self) -> Tensor:
+        """Long ``[V_d]``: the target id each LM-head row predicts."""
+        return self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
+
+    def set_vocab_mapping(self, selected_token_ids: Tensor) -> None:
+        """Write ``d2t`` / ``t2d`` for the draft vocabulary ``selected_token_ids`` (long ``[V_d]``)."""
+        if selected_token_ids.shape != self.d2t.shape:
+            raise ValueError(
+                f"the vocabulary mapping has {selected_token_ids.numel()} ids but the draft's LM head has "
+                f"{self.draft_vocab_size} rows; build it with draft_vocab_size={self.draft_vocab_size}"
+            )
+        selected = selected_token_ids.to(self.d2t.device).long()
+        self.d2t.copy_(selected - torch.arange(self.draft_vocab_size, device=selected.device))
+        self.t2d.zero_()
+        self.t2d[selected] = True
+
+    @torch.no_grad()
+    def copy_embeddings(self, weight: Tensor) -> None:
+        """Copy the target's input embeddings (cast to the draft dtype); they stay frozen."""
+        self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+
+    def project_hidden_states(self, aux_hidden_states: Tensor) -> Tensor:
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def step(
+        self, input_ids: Tensor, hidden: Tensor, positions: Tensor, cache: TTTCache, mask: Any
+    ) -> Tensor:
+        """One TTT step: the next raw (pre-final-norm) hidden state, ``[B, T, H]``."""
+        return self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, mask)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def _initialize(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)

@@ -1,0 +1,290 @@
+"""Eagle3Module and MLAEagle3Module: EAGLE-3 draft training with exact sequence packing.
+
+Both share :class:`Eagle3Base` (teacher, TTT unroll, loss, vocabulary mapping, export) and differ only in
+the draft ``nn.Module`` they build: the dense Llama-style draft or the DeepSeek MLA draft.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_drafts.attention import block_causal_mask, block_mask_from_mask_mod, document_causal_mask_mod
+from lightning_drafts.base import DraftModule
+from lightning_drafts.batch import PackedBatch
+from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.eagle3.draft_base import Eagle3Draft
+from lightning_drafts.eagle3.llama_draft import build_llama_draft
+from lightning_drafts.eagle3.mla_draft import build_mla_draft
+from lightning_drafts.eagle3.ttt import TeacherSignal, eagle3_objective, ttt_unroll
+from lightning_drafts.eagle3.vocab_mapping import (
+    VocabMapping,
+    build_vocab_mapping,
+    check_draft_vocab_size,
+    count_supervised_tokens,
+    load_token_counts,
+)
+from lightning_drafts.target import TargetSpec, default_capture_layers
+
+DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
+
+
+class Eagle3Base(DraftModule):
+    """The EAGLE-3 objective shared by the dense and the MLA draft (eagle3.md §2-§6).
+
+    Args:
+        target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.
+        target_layer_ids: three distinct, ascending decoder-layer ids whose **outputs** feed ``fc``
+            (HF ``hidden_states[id + 1]``); ``None`` = ``[1, N // 2 - 1, N - 4]``.
+        ttt_length: TTT steps ``K`` (int >= 1; default 7).
+        draft_vocab_size: LM-head rows ``V_d``; ``None`` (or ``>= V``) = the full target vocabulary.
+        loss_decay_gamma: step weight ``gamma^k`` (normalised by their sum); default 0.8.
+        token_frequencies: per-target-id counts of supervised tokens (tensor, list, or a ``torch.save``
+            file) to build the draft vocabulary from. Without it, ``fit`` scans the attached datamodule's
+            train loader in ``setup``; or call :meth:`build_vocab_mapping` yourself before training.
+        draft_attn_backend: ``"auto"`` (flex ``BlockMask`` on CUDA, dense block-causal mask elsewhere),
+            ``"sdpa"`` / ``"eager"`` (dense mask), or ``"flex"``.
+        **kwargs: every :class:`~lightning_drafts.base.DraftModule` argument (optimiser, target backend...).
+    """
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        target_layer_ids: Sequence[int] | None = None,
+        ttt_length: int = 7,
+        draft_vocab_size: int | None = None,
+        loss_decay_gamma: float = 0.8,
+        token_frequencies: Tensor | Sequence[int] | str | None = None,
+        draft_attn_backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        _check_ttt_length(ttt_length)
+        _check_gamma(loss_decay_gamma)
+        _check_draft_backend(draft_attn_backend)
+        if draft_vocab_size is not None:
+            # Type and sign only, before the (possibly large) target is loaded; V is checked below.
+            check_draft_vocab_size(draft_vocab_size, vocab_size=draft_vocab_size)
+        super().__init__(target=target, **kwargs)
+        # Counts are data, not a hyperparameter: the mapping they produce lives in the buffers.
+        self.remove_ignored_hparams(["token_frequencies"])
+        getattr(self, "_hparams_initial", {}).pop("token_frequencies", None)
+
+        self.target_layer_ids = resolve_target_layer_ids(target_layer_ids, self.target.num_layers)
+        vocab_size = self.target.vocab_size
+        embedding_rows = self.target.input_embeddings.weight.shape[0]
+        if embedding_rows != vocab_size:
+            raise ValueError(
+                f"the target's input embedding has {embedding_rows} rows but its LM head {vocab_size}; "
+                "EAGLE-3 needs one vocabulary for both"
+            )
+        draft_size = check_draft_vocab_size(draft_vocab_size, vocab_size)
+        self.draft: Eagle3Draft = self.build_draft(self.target.text_config, vocab_size, draft_size)
+        self.draft.copy_embeddings(self.target.input_embeddings.weight)
+        # Saved in checkpoints, so a resumed run never trains against an unset mapping.
+        self.register_buffer("vocab_mapping_built", torch.tensor(draft_size == vocab_size))
+        self.vocab_mapping: VocabMapping | None = None
+        if token_frequencies is not None:
+            self.build_vocab_mapping(token_frequencies)
+
+    @staticmethod
+    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> Eagle3Draft:
+        """The draft ``nn.Module`` (each subclass picks its architecture)."""
+        raise NotImplementedError("use Eagle3Module or MLAEagle3Module")
+
+    @property
+    def compresses_vocab(self) -> bool:
+        return self.draft.draft_vocab_size < self.target.vocab_size
+
+    # --- vocabulary mapping ---------------------------------------------------------------------
+
+    def build_vocab_mapping(self, counts: Tensor | Sequence[int] | str | Path) -> VocabMapping:
+        """Choose the draft vocabulary from per-target-id supervised-token ``counts`` and store it.
+
+        ``counts`` is a long ``[V]`` tensor (see :func:`~lightning_drafts.eagle3.vocab_mapping.
+        count_supervised_tokens`), a list, or a ``torch.save``-d file. The mapping goes into the draft's
+        ``d2t`` / ``t2d`` buffers (saved in checkpoints and exports). Returns the mapping with its
+        ``coverage``: the share of counted tokens the draft vocabulary can predict.
+        """
+        counts = load_token_counts(counts, self.target.vocab_size)
+        mapping = build_vocab_mapping(counts, self.draft.draft_vocab_size, self._special_token_ids())
+        self.draft.set_vocab_mapping(mapping.selected_token_ids)
+        self.vocab_mapping_built.fill_(True)
+        self.vocab_mapping = mapping
+        (rank_zero_warn if mapping.filled else rank_zero_info)(mapping.summary())
+        return mapping
+
+    def setup(self, stage: str) -> None:
+        """Build the vocabulary mapping from the datamodule's train loader when it is still unset.
+
+        Runs before the optimiser is built. On resume the checkpoint's mapping overwrites this one.
+        """
+        if stage != "fit" or bool(self.vocab_mapping_built):
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            raise ValueError(
+                f"draft_vocab_size={self.draft.draft_vocab_size} < the target vocabulary "
+                f"({self.target.vocab_size}) needs token frequencies: pass token_frequencies=..., call "
+                "build_vocab_mapping(counts) before fit, or fit with a datamodule"
+            )
+        counts = count_supervised_tokens(datamodule.train_dataloader(), self.target.vocab_size)
+        strategy = self.trainer.strategy
+        # Ranks may read different shards; a sum keeps the ranking exact either way.
+        counts = strategy.reduce(counts.to(strategy.root_device), reduce_op="sum").cpu()
+        self.build_vocab_mapping(counts)
+
+    def _special_token_ids(self) -> list[Any]:
+        config = self.target.text_config
+        names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+        ids = [getattr(config, name, None) for name in names]
+        return [*ids, self.hparams.get("pad_token_id")]
+
+    def _require_vocab_mapping(self) -> None:
+        if not bool(self.vocab_mapping_built):
+            raise ValueError(
+                f"the draft vocabulary ({self.draft.draft_vocab_size} of {self.target.vocab_size} ids) is not "
+                "built: pass token_frequencies=..., call build_vocab_mapping(counts), or fit with a datamodule"
+            )
+
+    # --- the objective --------------------------------------------------------------------------
+
+    def compute_loss(
+        self, batch: Mapping[str, Tensor] | PackedBatch, anchors: Tensor | None = None
+    ) -> DraftOutput:
+        """EAGLE-3's TTT loss and prediction chains on one (packed or padded) micro-batch."""
+        if anchors is not None:
+            raise ValueError("EAGLE-3 trains every supervised slot and takes no anchors; pass anchors=None")
+        packed = self.prepare_batch(batch)
+        self._require_vocab_mapping()
+        teacher = self.teacher_signal(packed)
+        states = ttt_unroll(
+            self.draft,
+            packed,
+            teacher.aux_hidden_states,
+            self.draft_attention_mask(packed),
+            self.hparams.ttt_length,
+        )
+        return eagle3_objective(
+            self.draft.compute_logits, states, packed, teacher, self.hparams.loss_decay_gamma
+        )
+
+    def draft_logits(self, batch: Mapping[str, Tensor] | PackedBatch) -> Tensor:
+        """Draft logits at every slot and TTT step, ``[K, B, T, V_d]`` (for inspection and tests)."""
+        packed = self.prepare_batch(batch)
+        teacher = self.teacher_signal(packed)
+        mask = self.draft_attention_mask(packed)
+        states = ttt_unroll(self.draft, packed, teacher.aux_hidden_states, mask, self.hparams.ttt_length)
+        return torch.stack([self.draft.compute_logits(state) for state in states])
+
+    @torch.no_grad()
+    def teacher_signal(self, packed: PackedBatch) -> TeacherSignal:
+        """One frozen target forward: captured layers, restricted teacher logits, in-vocabulary bits."""
+        output = self.target(packed, self.target_layer_ids)
+        aux = torch.cat(output.hidden_states, dim=-1)
+        last = output.last_hidden_state
+        if not self.compresses_vocab:
+            logits = self.target.logits(last)
+            return TeacherSignal(
+                aux, logits, torch.ones(packed.shape, dtype=torch.bool, device=logits.device)
+            )
+        logits = self.target.logits(last, self.draft.selected_token_ids)
+        in_vocab = self.draft.t2d[self.target.greedy_tokens(last)]
+        return TeacherSignal(aux, logits, in_vocab)
+
+    def draft_attention_mask(self, packed: PackedBatch) -> Any:
+        """Block 1's document-causal mask: a flex ``BlockMask`` or a dense bool ``[B, 1, T, T]``."""
+        backend = self.hparams.draft_attn_backend
+        if backend == "auto":
+            backend = "flex" if packed.input_ids.device.type == "cuda" else "sdpa"
+        if backend == "flex":
+            batch, width = packed.shape
+            mask_mod = document_causal_mask_mod(packed.doc_ids)
+            return block_mask_from_mask_mod(mask_mod, batch, width, width, packed.input_ids.device)
+        return block_causal_mask(packed.doc_ids)
+
+    # --- export ---------------------------------------------------------------------------------
+
+    def export(self, output_dir: str | Path) -> Path:
+        """Write the serving layout (see :mod:`lightning_drafts.eagle3.export`)."""
+        from lightning_drafts.eagle3.export import export_eagle3
+
+        return export_eagle3(self, output_dir)
+
+
+class Eagle3Module(Eagle3Base):
+    """EAGLE-3 with the dense Llama-style draft (Llama, Qwen3, Phi-3, ... targets).
+
+    Exports to vLLM / SGLang's ``LlamaForCausalLMEagle3`` layout. See :class:`Eagle3Base` for arguments.
+    """
+
+    @staticmethod
+    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> Eagle3Draft:
+        return build_llama_draft(text_config, vocab_size, draft_vocab_size)
+
+
+class MLAEagle3Module(Eagle3Base):
+    """EAGLE-3 with the DeepSeek-V3 MLA draft (eagle3.md §7), configured from a DeepSeek-V3 target.
+
+    Exports a documented layout that reloads into this class (no serving engine loads an MLA EAGLE-3
+    draft today). See :class:`Eagle3Base` for arguments.
+    """
+
+    @staticmethod
+    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> Eagle3Draft:
+        return build_mla_draft(text_config, vocab_size, draft_vocab_size)
+
+
+def resolve_target_layer_ids(target_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The captured layers: the default recipe, or three distinct, ascending, in-range explicit ids.
+
+    Ascending because serving engines gather the captured states while looping over layers, so ``fc``'s
+    input chunks arrive in ascending layer order there.
+    """
+    if target_layer_ids is None:
+        return default_capture_layers(num_layers)
+    ids = list(target_layer_ids) if isinstance(target_layer_ids, (list, tuple)) else None
+    if ids is None or len(ids) != 3 or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(
+            f"target_layer_ids must be three int layer ids (or None for the default), got {target_layer_ids!r}"
+        )
+    if len(set(ids)) != 3 or any(not 0 <= i < num_layers for i in ids):
+        raise ValueError(
+            f"target_layer_ids {ids} must be three distinct ids in [0, {num_layers}) (the target has "
+            f"{num_layers} decoder layers; ids name layer outputs, HF hidden_states[id + 1])"
+        )
+    if ids != sorted(ids):
+        raise ValueError(
+            f"target_layer_ids {ids} must be ascending ({sorted(ids)}): serving engines concatenate the captured "
+            "states in layer order, so any other order would scramble fc's input at serving time"
+        )
+    return ids
+
+
+def _check_ttt_length(ttt_length: Any) -> None:
+    if isinstance(ttt_length, bool) or not isinstance(ttt_length, int) or ttt_length < 1:
+        raise ValueError(f"ttt_length must be an int >= 1 (TTT steps per slot), got {ttt_length!r}")
+
+
+def _check_gamma(gamma: Any) -> None:
+    if (
+        isinstance(gamma, bool)
+        or not isinstance(gamma, (int, float))
+        or not math.isfinite(gamma)
+        or gamma <= 0
+    ):
+        raise ValueError(f"loss_decay_gamma must be a finite number > 0 (the default is 0.8), got {gamma!r}")
+
+
+def _check_draft_backend(backend: Any) -> None:
+    if backend not in DRAFT_BACKENDS:
+        hint = (
+            " (Block 1 runs through attention_with_lse: a dense mask or a flex BlockMask; use 'flex' on GPUs)"
+        )
+        hint = hint if backend == "flash" else ""
+        raise ValueError(f"draft_attn_backend {backend!r} is not one of {DRAFT_BACKENDS}{hint}")

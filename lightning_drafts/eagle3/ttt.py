@@ -1,0 +1,208 @@
+"""The EAGLE-3 training-time test (TTT): attention layout, unroll, supervision masks and loss.
+
+Shared by the dense and the MLA draft; only the q/k/v projections differ between them.
+
+Frames (eagle3.md §0, §2.4): the batch arrives in the *dataset* frame. The *trainer* frame shifts the
+token ids, the loss mask and the teacher left by one (zero-filled tail); TTT step ``k`` shifts them ``k``
+more. So at step ``k`` trainer slot ``i`` reads token ``x[i+1+k]`` and is taught ``z[i+1+k]`` (the target's
+distribution of ``x[i+2+k]``). The draft's hidden state, the positions (RoPE at ``position_ids + k``)
+and ``doc_remaining`` are never shifted.
+
+Packing (eagle3.md §6): a slot learns at step ``k`` only while ``k < doc_remaining[i]``, i.e. while
+``x[i+1+k]`` is still in the slot's own document. Tokens past that point are replaced by id 0 (what
+the reference feeds its zero-filled tail), so no document ever reads another document's token; the
+diagonal TTT keys link a slot only to itself, and Block 1 uses the block-causal mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_drafts.attention import attention_with_lse
+from lightning_drafts.batch import PackedBatch
+from lightning_drafts.draft_output import DraftOutput
+
+
+@dataclass
+class TTTCache:
+    """The keys and values of every TTT step so far (``[B, heads, T, d]`` each, heads already expanded)."""
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TeacherSignal:
+    """What the frozen target gives one micro-batch, in the dataset frame (unshifted).
+
+    Attributes:
+        aux_hidden_states: ``[B, T, 3 * H_t]``, the captured layer outputs concatenated in
+            ``target_layer_ids`` order.
+        logits: ``[B, T, V_d]`` target logits restricted to the draft vocabulary (column ``c`` = draft id
+            ``c``), in the target dtype.
+        in_draft_vocab: bool ``[B, T]``, ``t2d[argmax over the full vocabulary]``: a position whose greedy
+            target token the draft cannot predict leaves the loss (but stays a chain miss).
+    """
+
+    aux_hidden_states: Tensor
+    logits: Tensor
+    in_draft_vocab: Tensor
+
+
+class TTTDraft(Protocol):
+    """The three operations of an EAGLE-3 draft the unroll needs."""
+
+    def project_hidden_states(self, aux_hidden_states: Tensor) -> Tensor: ...
+
+    def step(
+        self, input_ids: Tensor, hidden: Tensor, positions: Tensor, cache: TTTCache, mask: Any
+    ) -> Tensor: ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor: ...
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def ttt_attention(
+    query: Tensor, key: Tensor, value: Tensor, cache: TTTCache, mask: Any, scale: float
+) -> Tensor:
+    """EAGLE-3 attention at TTT step ``k = len(cache.keys)`` (eagle3.md §5.2), ``[B, heads, T, d_v]``.
+
+    Block 1: the step-0 keys of the whole row under ``mask`` (block-causal; a dense bool tensor on CPU,
+    a flex ``BlockMask`` on GPU). Diagonals: for steps ``1..k``, the same slot's key only, never masked;
+    the current step's key is appended first, so step ``k`` sees its own key. Both parts merge exactly
+    through the log-sum-exp of Block 1, with the softmax in fp32.
+    """
+    cache.keys.append(key)
+    cache.values.append(value)
+    block, block_lse = attention_with_lse(query, cache.keys[0], cache.values[0], mask, scale)
+    if len(cache.keys) == 1:
+        return block
+    q32 = query.float()
+    diagonal = torch.stack([(q32 * k.float()).sum(-1) * scale for k in cache.keys[1:]], dim=-1)
+    total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=-1))
+    block_weight = torch.exp(block_lse - total)[..., None].to(block.dtype)
+    diagonal_weight = torch.exp(diagonal - total[..., None]).to(value.dtype)
+    diagonal_values = torch.stack(cache.values[1:], dim=-1)
+    return block_weight * block + (diagonal_values * diagonal_weight[..., None, :]).sum(-1)
+
+
+# --- frames and masks -----------------------------------------------------------------------------
+
+
+def shift_left(x: Tensor, steps: int) -> Tensor:
+    """``out[:, i] = x[:, i + steps]``, zero (False) past the end of the row."""
+    if steps == 0:
+        return x
+    out = torch.zeros_like(x)
+    if steps < x.shape[1]:
+        out[:, : x.shape[1] - steps] = x[:, steps:]
+    return out
+
+
+def step_masks(
+    trainer_loss_mask: Tensor,
+    trainer_in_vocab: Tensor,
+    doc_remaining: Tensor | None,
+    step: int,
+) -> tuple[Tensor, Tensor]:
+    """``(chain_valid C_k, supervised S_k)``, bool ``[B, T]``, at TTT ``step`` (eagle3.md §2.5, §6.1).
+
+    Both masks take the *trainer-frame* loss mask and in-vocabulary bits (already shifted by one).
+    ``C_k = m[i+1+k] ∧ (k < doc_remaining[i])``; ``S_k = C_k ∧ t2d[argmax z[i+1+k]]``. ``doc_remaining``
+    ``None`` turns the packing gate off (used only to show what the gate removes).
+    """
+    chain_valid = shift_left(trainer_loss_mask, step)
+    if doc_remaining is not None:
+        chain_valid = chain_valid & (doc_remaining > step)
+    return chain_valid, chain_valid & shift_left(trainer_in_vocab, step)
+
+
+def step_input_ids(packed: PackedBatch, step: int) -> Tensor:
+    """Token ``x[i+1+k]`` per slot, or id 0 once that token lies outside the slot's document."""
+    ids = shift_left(packed.input_ids, 1 + step)
+    return torch.where(packed.doc_remaining > step, ids, torch.zeros_like(ids))
+
+
+# --- unroll and objective -------------------------------------------------------------------------
+
+
+def ttt_unroll(
+    draft: TTTDraft, packed: PackedBatch, aux_hidden_states: Tensor, mask: Any, ttt_length: int
+) -> list[Tensor]:
+    """The draft's hidden state after every TTT step (``ttt_length`` tensors ``[B, T, H]``).
+
+    Gradients flow through the whole unroll (the carried state and the cached keys are never detached).
+    """
+    hidden = draft.project_hidden_states(aux_hidden_states)
+    cache = TTTCache()
+    states = []
+    for step in range(ttt_length):
+        hidden = draft.step(step_input_ids(packed, step), hidden, packed.position_ids + step, cache, mask)
+        states.append(hidden)
+    return states
+
+
+def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """Per-row ``-Σ_v p_teacher · log q_student`` in fp32 (= forward KL + teacher entropy)."""
+    teacher = torch.softmax(teacher_logits.float(), dim=-1)
+    return -(teacher * torch.log_softmax(student_logits.float(), dim=-1)).sum(-1)
+
+
+def step_weights(ttt_length: int, gamma: float) -> list[float]:
+    """``gamma^k / Σ_j gamma^j``: the loss scale does not depend on ``ttt_length`` (eagle3.md §5.4)."""
+    raw = [gamma**k for k in range(ttt_length)]
+    return [w / sum(raw) for w in raw]
+
+
+def eagle3_objective(
+    compute_logits: Callable[[Tensor], Tensor],
+    states: list[Tensor],
+    packed: PackedBatch,
+    teacher: TeacherSignal,
+    gamma: float,
+) -> DraftOutput:
+    """The decayed, valid-count-normalised soft cross-entropy and the ``[M, K]`` prediction chains.
+
+    ``L_k`` is the mean soft CE over the slots supervised at step ``k`` (0 when none, still weighted);
+    ``loss = Σ_k gamma^k L_k / Σ_k gamma^k``. Logits are computed only on supervised rows, so a draft
+    vocabulary of any size never costs ``[B, T, V_d]`` per step.
+
+    Chains (eagle3.md §5.5): one per trainer slot valid at some step, row-major over ``(b, i)``;
+    ``valid[:, k] = C_k`` (no ``t2d`` term), ``correct[:, k] = (draft argmax == teacher argmax) ∧ S_k``;
+    ``valid_tokens = Σ_k Σ S_k``.
+    """
+    batch, width = packed.shape
+    trainer_loss_mask = shift_left(packed.loss_mask, 1)
+    trainer_in_vocab = shift_left(teacher.in_draft_vocab, 1)
+    valid = torch.zeros(batch, width, len(states), dtype=torch.bool, device=packed.input_ids.device)
+    correct = torch.zeros_like(valid)
+    # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
+    # so every rank runs backward and DDP / FSDP never wait on a skipped step.
+    loss = states[-1].float().sum() * 0.0
+    supervised_total = torch.zeros((), dtype=torch.long, device=valid.device)
+    for step, (state, weight) in enumerate(zip(states, step_weights(len(states), gamma), strict=True)):
+        chain_valid, supervised = step_masks(trainer_loss_mask, trainer_in_vocab, packed.doc_remaining, step)
+        rows, slots = supervised.nonzero(as_tuple=True)
+        student = compute_logits(state[rows, slots])
+        target = teacher.logits[rows, slots + 1 + step]
+        loss = loss + weight * soft_cross_entropy(student, target).sum() / max(1, rows.numel())
+        valid[..., step] = chain_valid
+        correct[rows, slots, step] = student.detach().argmax(-1) == target.argmax(-1)
+        supervised_total += rows.numel()
+    chains = valid.any(-1).reshape(-1)
+    correct = correct.reshape(-1, len(states))[chains]
+    hits = correct.sum()
+    return DraftOutput(
+        loss=loss,
+        correct=correct,
+        valid=valid.reshape(-1, len(states))[chains],
+        valid_tokens=supervised_total,
+        metrics={"accuracy": hits.float() / supervised_total.clamp(min=1).float()},
+    )
