@@ -1,19 +1,58 @@
-"""The ``lightning-drafts`` command: LightningCLI over the draft modules and the packed chat data."""
+"""The ``lightning-drafts`` command.
+
+``fit`` / ``validate`` are LightningCLI (subclass mode over :class:`DraftModule` and
+:class:`PackedChatDataModule`, so a config names the draft family by ``class_path``);
+``export`` writes the serving layout of a trained checkpoint.
+"""
 
 from __future__ import annotations
 
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+import argparse
+import sys
 
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from datamodules import PackedChatDataModule
 from lightning_drafts.base import DraftModule
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
-    """``lightning-drafts fit --config ...``; any ``DraftModule`` subclass and data module by class path."""
-    return LightningCLI(
+class DraftCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The tokenizer decides the vocabulary a random quickstart target gets and what a real one must cover.
+        parser.link_arguments(
+            "data.vocab_size", "model.init_args.tokenizer_vocab_size", apply_on="instantiate"
+        )
+        parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
+
+
+def main(args: list[str] | None = None) -> DraftCLI | None:
+    """Entry point of ``lightning-drafts`` and ``python -m lightning_drafts``."""
+    args = sys.argv[1:] if args is None else args
+    if args[:1] == ["export"]:
+        export_main(args[1:])
+        return None
+    return DraftCLI(
         DraftModule,
-        LightningDataModule,
+        PackedChatDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
+        save_config_kwargs={"overwrite": True},
     )
+
+
+def export_main(args: list[str]) -> None:
+    from lightning_drafts.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-drafts export",
+        description="Write a trained draft in the layout serving engines load.",
+    )
+    parser.add_argument("checkpoint", help="a Lightning checkpoint written by `lightning-drafts fit`")
+    parser.add_argument("output_dir", help="the directory to write (config.json + model.safetensors)")
+    parser.add_argument(
+        "--target", default=None, help="override the target (hub id / local path) stored in the checkpoint"
+    )
+    parsed = parser.parse_args(args)
+    path = export_checkpoint(parsed.checkpoint, parsed.output_dir, target=parsed.target)
+    print(f"exported {parsed.checkpoint} -> {path}")

@@ -1,0 +1,352 @@
+"""``PackedChatDataModule``: chat rows to packed, contract-valid micro-batches for draft training."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from datasets.fingerprint import Hasher
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
+from datamodules.embedded import embedded_corpus_dataset, embedded_corpus_fingerprint, load_embedded_tokenizer
+from datamodules.loader import LoaderState, PackedEpochDataset, ResumableLoader
+from datamodules.packing import resolve_packing
+from datamodules.preview import CLOSE, OPEN, mark_supervised
+from datamodules.templates import resolve_chat_template
+from datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
+
+logger = logging.getLogger("datamodules")
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class PackedChatDataModule(LightningDataModule):
+    """Tokenised, assistant-masked chat data packed into rows of ``max_tokens`` (see ARCHITECTURE section 6).
+
+    Args:
+        data_files: JSON / JSONL / Parquet file(s) or glob(s) of OpenAI ``messages`` or ShareGPT
+            ``conversations`` rows, a ``datasets`` hub id (online only), or None for the embedded
+            chitchat corpus.
+        tokenizer: a path, a hub id, a tokenizer object, or None for the embedded Mistral v1 tokenizer.
+        chat_template: None for the tokenizer's own template, a built-in name (``"mistral"``,
+            ``"chatml"``) or a Jinja template string.
+        max_tokens: row width of packed rows, and the length limit of a document.
+        batch_size: rows per micro-batch (documents per micro-batch for ``"microbatch"`` and padded).
+        packing: ``"buffer"`` (or True), ``"microbatch"``, or False for one padded document per row.
+        seed: seeds the per-epoch shuffle and the validation split.
+        shuffle_buffer: documents per best-fit-decreasing window (``"buffer"`` packing).
+        num_workers: DataLoader workers (collation is cheap; 0 is usually enough).
+        val_fraction: share of the documents held out for validation (ignored when ``val_data_files``).
+        val_data_files: a separate validation source, in the same forms as ``data_files``.
+        long_documents: ``"truncate"`` (keep the first ``max_tokens`` tokens) or ``"drop"``.
+        num_proc: processes for the one-time tokenisation.
+        cache_dir: where tokenised data is cached (default: the ``datasets`` cache).
+        max_documents: use only the first N rows of each source (quick runs and tests).
+        world_size, rank: override the Trainer's data-parallel size and rank (tests, custom launchers).
+
+    After construction, ``vocab_size`` (``len(tokenizer)``) and ``pad_token_id`` are set, so
+    ``LightningCLI.link_arguments`` can pass them to a model. After ``setup``, ``stats`` holds the counts
+    of each split and ``train_documents`` / ``val_documents`` the documents themselves.
+    """
+
+    def __init__(
+        self,
+        data_files: str | list[str] | None = None,
+        tokenizer: str | PreTrainedTokenizerBase | None = None,
+        chat_template: str | None = None,
+        max_tokens: int = 2048,
+        batch_size: int = 1,
+        packing: bool | str = "buffer",
+        seed: int = 0,
+        shuffle_buffer: int = 10_000,
+        num_workers: int = 0,
+        val_fraction: float = 0.0,
+        val_data_files: str | list[str] | None = None,
+        long_documents: str = "truncate",
+        num_proc: int | None = None,
+        cache_dir: str | None = None,
+        max_documents: int | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("batch_size", batch_size),
+            ("shuffle_buffer", shuffle_buffer),
+        ):
+            if int(value) < 1:
+                raise ValueError(f"{name}={value} must be a positive integer")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+        if val_fraction > 0 and val_data_files is not None:
+            raise ValueError(
+                f"both val_fraction={val_fraction} and val_data_files={val_data_files!r} were given; use one"
+            )
+        if long_documents not in LONG_DOCUMENT_POLICIES:
+            raise ValueError(f"long_documents={long_documents!r} must be one of {LONG_DOCUMENT_POLICIES}")
+        if max_documents is not None and max_documents < 1:
+            raise ValueError(f"max_documents={max_documents} must be a positive integer or None")
+        if (world_size is None) != (rank is None):
+            raise ValueError(f"pass world_size and rank together (got world_size={world_size}, rank={rank})")
+        if world_size is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+
+        self.data_files = data_files
+        self.val_data_files = val_data_files
+        self.max_tokens = int(max_tokens)
+        self.batch_size = int(batch_size)
+        self.packing = resolve_packing(packing)
+        self.seed = int(seed)
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.num_workers = int(num_workers)
+        self.val_fraction = float(val_fraction)
+        self.long_documents = long_documents
+        self.num_proc = num_proc
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.max_documents = max_documents
+        self.world_size = world_size
+        self.rank = rank
+
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.chat_template = resolve_chat_template(chat_template, self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self.pad_token_id = _pad_token_id(self.tokenizer)
+
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.train_documents: Documents | None = None
+        self.val_documents: Documents | None = None
+        self._loader_state = LoaderState(self._attached_trainer)
+
+    # ------------------------------------------------------------------ data preparation
+
+    def prepare_data(self) -> None:
+        # Runs once per node before setup on every rank, so the ranks load the tokenised cache instead of
+        # all tokenising at once.
+        self._tokenized(self.data_files)
+        if self.val_data_files is not None:
+            self._tokenized(self.val_data_files)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_documents is not None:
+            return
+        corpus = self._tokenized(self.data_files)
+        documents, malformed = corpus.documents, corpus.malformed
+        val_documents, val_malformed = None, Counter()
+        if self.val_data_files is not None:
+            val_corpus = self._tokenized(self.val_data_files)
+            val_documents, val_malformed = val_corpus.documents, val_corpus.malformed
+        elif self.val_fraction > 0:
+            order = np.random.default_rng(self.seed).permutation(len(documents))
+            held_out = max(1, round(self.val_fraction * len(documents)))
+            val_documents = documents.select(np.sort(order[:held_out]))
+            documents = documents.select(np.sort(order[held_out:]))
+
+        self.train_documents, self.stats["train"] = self._fit(documents, malformed)
+        if val_documents is not None:
+            self.val_documents, self.stats["val"] = self._fit(val_documents, val_malformed)
+        if len(self.train_documents) == 0:
+            raise ValueError(
+                f"no trainable document in {self.data_files or 'the embedded corpus'} (counts: {self.stats['train']}); "
+                "check the data format, the chat template and long_documents"
+            )
+        if self._is_global_zero():
+            self._log_summary()
+
+    def _tokenized(self, files: str | list[str] | None) -> TokenizedCorpus:
+        if files is None:
+            rows, fingerprint = embedded_corpus_dataset(), embedded_corpus_fingerprint()
+        else:
+            rows = _load_chat_files(files, self.cache_dir)
+            # The datasets fingerprint of a loaded source hashes its files (paths, sizes, times).
+            fingerprint = rows._fingerprint
+        if self.max_documents is not None and self.max_documents < len(rows):
+            rows = rows.select(range(self.max_documents))
+            fingerprint = Hasher.hash([fingerprint, "first", self.max_documents])
+        tokenized = tokenize_rows(
+            rows,
+            self.tokenizer,
+            self.chat_template,
+            source_fingerprint=fingerprint,
+            num_proc=self.num_proc,
+            cache_dir=self.cache_dir,
+        )
+        return TokenizedCorpus.from_dataset(tokenized)
+
+    def _fit(self, documents: Documents, malformed: Counter) -> tuple[Documents, dict[str, Any]]:
+        fitted, truncated, dropped = documents.fit_to_width(self.max_tokens, self.long_documents)
+        return fitted, {
+            "documents": len(fitted),
+            "tokens": fitted.num_tokens,
+            "supervised_tokens": int(fitted.supervised_per_document().sum()),
+            "truncated": truncated,
+            "dropped": dropped,
+            "malformed": int(sum(malformed.values())),
+            "malformed_reasons": dict(malformed),
+        }
+
+    def _log_summary(self) -> None:
+        for split, counts in self.stats.items():
+            logger.info(
+                "%s split: %d documents, %d tokens, %d supervised tokens, %d truncated, %d dropped, %d malformed "
+                "(max_tokens=%d, long_documents=%s, packing=%s)",
+                split,
+                counts["documents"],
+                counts["tokens"],
+                counts["supervised_tokens"],
+                counts["truncated"],
+                counts["dropped"],
+                counts["malformed"],
+                self.max_tokens,
+                self.long_documents,
+                self.packing,
+            )
+            if counts["malformed"]:
+                logger.warning(
+                    "%s split: %d malformed rows skipped: %s",
+                    split,
+                    counts["malformed"],
+                    counts["malformed_reasons"],
+                )
+            if counts["truncated"] or counts["dropped"]:
+                logger.warning(
+                    "%s split: %d documents longer than max_tokens=%d were %s",
+                    split,
+                    counts["truncated"] or counts["dropped"],
+                    self.max_tokens,
+                    "truncated" if counts["truncated"] else "dropped",
+                )
+            if counts["tokens"] and counts["supervised_tokens"] in (0, counts["tokens"]):
+                logger.warning(
+                    "%s split: %s of %d tokens are supervised; the loss mask should cover assistant tokens only, "
+                    "so check the chat template",
+                    split,
+                    "none" if counts["supervised_tokens"] == 0 else "all",
+                    counts["tokens"],
+                )
+        ids, mask = self.train_documents.tokens(0)
+        logger.info(
+            "one training sample (supervised tokens between %s and %s):\n%s",
+            OPEN,
+            CLOSE,
+            mark_supervised(self.tokenizer, ids[: self.max_tokens], mask[: self.max_tokens]),
+        )
+
+    # ------------------------------------------------------------------ loaders
+
+    def train_dataloader(self) -> ResumableLoader:
+        self.setup("fit")
+        world_size, rank = self._world()
+        dataset = self._dataset(self.train_documents, shuffle=True, world_size=world_size, rank=rank)
+        return ResumableLoader(dataset, self._loader_state, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup("fit")
+        if self.val_documents is None or len(self.val_documents) == 0:
+            return []
+        world_size, rank = self._world()
+        dataset = self._dataset(self.val_documents, shuffle=False, world_size=world_size, rank=rank)
+        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
+
+    def _dataset(
+        self, documents: Documents, *, shuffle: bool, world_size: int, rank: int
+    ) -> PackedEpochDataset:
+        return PackedEpochDataset(
+            documents,
+            mode=self.packing,
+            max_tokens=self.max_tokens,
+            batch_size=self.batch_size,
+            pad_token_id=self.pad_token_id,
+            seed=self.seed,
+            shuffle=shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            world_size=world_size,
+            rank=rank,
+        )
+
+    def _world(self) -> tuple[int, int]:
+        if self.world_size is not None:
+            return self.world_size, self.rank
+        if self.trainer is not None:
+            return int(self.trainer.world_size), int(self.trainer.global_rank)
+        return 1, 0
+
+    def _attached_trainer(self) -> Any:
+        # A bound method rather than a lambda, so the DataModule stays picklable (ddp_spawn).
+        return self.trainer
+
+    def _is_global_zero(self) -> bool:
+        return self._world()[1] == 0
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train loader's epoch and position; Lightning stores it in every checkpoint."""
+        return self._loader_state.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the train loader at a saved position: the next pass continues that epoch."""
+        self._loader_state.load_state_dict(state_dict)
+
+
+def _load_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerBase | None) -> PreTrainedTokenizerBase:
+    if tokenizer is None:
+        return load_embedded_tokenizer()
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    raise ValueError(
+        f"tokenizer={tokenizer!r} must be a path, a hub id, a transformers tokenizer, or None for the embedded one"
+    )
+
+
+def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    # A missing pad token falls back to EOS rather than adding a token: a new id would not exist in the
+    # target's embedding table. Pad slots are masked everywhere, so their id never matters.
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    raise ValueError(
+        f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token; set tokenizer.pad_token first"
+    )
+
+
+def _load_chat_files(files: str | os.PathLike | list, cache_dir: Path) -> datasets.Dataset:
+    paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not paths:
+        raise ValueError(
+            "data_files is an empty list; pass file paths, a hub id, or None for the embedded corpus"
+        )
+    paths = [str(path) for path in paths]
+    if len(paths) == 1 and _looks_like_hub_id(paths[0]):
+        return datasets.load_dataset(paths[0], split="train", cache_dir=str(cache_dir / "sources"))
+    builders = set()
+    for path in paths:
+        name = path.removesuffix(".gz")
+        builder = next((b for ext, b in _FILE_BUILDERS.items() if name.endswith(ext)), None)
+        if builder is None:
+            raise ValueError(f"data file {path!r} is not .json, .jsonl or .parquet; convert it or rename it")
+        if not glob.has_magic(path) and not Path(path).exists():
+            raise ValueError(f"data file {path!r} does not exist")
+        builders.add(builder)
+    if len(builders) > 1:
+        raise ValueError(f"data_files {paths} mix JSON and Parquet; pass files of one format")
+    return datasets.load_dataset(
+        builders.pop(), data_files=paths, split="train", cache_dir=str(cache_dir / "sources")
+    )
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    name = path.removesuffix(".gz")
+    known_suffix = any(name.endswith(ext) for ext in _FILE_BUILDERS)
+    return not known_suffix and not glob.has_magic(path) and not Path(path).exists()
