@@ -25,12 +25,17 @@ class DraftCLI(LightningCLI):
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
 
 
-def main(args: list[str] | None = None) -> DraftCLI | None:
+def main(args: list[str] | None = None) -> None:
     """Entry point of ``lightning-drafts`` and ``python -m lightning_drafts``."""
     args = sys.argv[1:] if args is None else args
     if args[:1] == ["export"]:
         export_main(args[1:])
-        return None
+        return
+    run_cli(args)
+
+
+def run_cli(args: list[str]) -> DraftCLI:
+    """LightningCLI for ``fit`` / ``validate`` (returned so notebooks and tests can read the trainer)."""
     return DraftCLI(
         DraftModule,
         PackedChatDataModule,

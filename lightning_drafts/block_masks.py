@@ -1,0 +1,166 @@
+"""The attention layout of block drafts (DFlash, DFlash2, DSpark) and its document-aware mask.
+
+All blocks of a micro-batch are laid out back to back in ONE flat attention problem (batch 1):
+
+* keys / values, ``R + M * block_size`` long: ``[context: the R real tokens of all rows, row-major |
+  block 0 | block 1 | ... | block M-1]``;
+* queries, ``M * block_size`` long: the block slots only (the context is never a query).
+
+Padding never enters (only real tokens are context) and no row is padded to the busiest one. A
+block's query sees (dflash.md §2, §15):
+
+* context keys of its own row and document strictly before its anchor (the anchor's own features
+  do not exist yet at decode time), optionally only the last ``sliding_window`` positions counted
+  from the query's own sequence position ``anchor + offset``;
+* all ``block_size`` keys of its own block (two-way), never another block.
+
+Because real tokens are flattened row-major and documents are contiguous, "own row, own document,
+before the anchor" is the contiguous key range ``[context_start, context_end)``: the mask needs two
+gathers per query and no per-key document lookup. Every query sees at least its own block, so no
+row is fully masked and nothing NaNs.
+
+The predicate exists once, as a flex ``mask_mod``; :func:`dense_block_mask` evaluates the same
+predicate on broadcast index grids for SDPA on CPU. Build the mask once per batch and share it by
+every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_drafts.anchors import flatten_anchors
+from lightning_drafts.attention import MaskMod, block_mask_from_mask_mod
+from lightning_drafts.batch import PackedBatch
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where every block and context key of a micro-batch sits in the flat draft attention.
+
+    ``rows`` / ``anchors`` / ``slots``: per block (``[M]``), its row, anchor row position and column
+    in the ``[B, N]`` anchors tensor. ``context_index``: the flat ``b * T + t`` index of each context
+    key (``[R]``). ``context_start`` / ``context_end``: per block, the first context key of the
+    anchor's document and the anchor's own context key (an exclusive bound).
+    """
+
+    block_size: int
+    width: int
+    rows: Tensor
+    anchors: Tensor
+    slots: Tensor
+    context_index: Tensor
+    context_start: Tensor
+    context_end: Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.rows.numel())
+
+    @property
+    def num_context(self) -> int:
+        return int(self.context_index.numel())
+
+    @property
+    def q_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_context + self.q_len
+
+    def gather_context(self, per_token: Tensor) -> Tensor:
+        """``[B, T, ...]`` per-token values (e.g. captured target features) -> ``[R, ...]`` context keys."""
+        return per_token.reshape(-1, *per_token.shape[2:])[self.context_index]
+
+    def block_offsets(self) -> Tensor:
+        return torch.arange(self.block_size, device=self.anchors.device)
+
+    def block_row_positions(self) -> Tensor:
+        """``[M, block_size]`` row positions ``anchor + k`` (may run past a document end for partial blocks)."""
+        return self.anchors[:, None] + self.block_offsets()
+
+    def block_position_ids(self, position_ids: Tensor) -> Tensor:
+        """``[M, block_size]`` RoPE positions: the anchor's document-local position plus the slot offset."""
+        return position_ids[self.rows, self.anchors][:, None] + self.block_offsets()
+
+    def block_input_ids(self, input_ids: Tensor, mask_token_id: int, known: Tensor | None = None) -> Tensor:
+        """``[M, block_size]`` draft inputs: the real tokens of the first ``known[m]`` slots (default 1,
+        the anchor), ``mask_token_id`` after them. Known slots must lie inside the row."""
+        known = torch.ones_like(self.anchors) if known is None else known
+        positions = self.block_row_positions().clamp(max=self.width - 1)
+        real = input_ids[self.rows[:, None], positions]
+        return torch.where(self.block_offsets() < known[:, None], real, torch.full_like(real, mask_token_id))
+
+
+def block_layout(packed: PackedBatch, anchors: Tensor, block_size: int) -> BlockLayout:
+    """The flat layout of the blocks of ``[B, N]`` anchors (``-1`` = none) over ``packed``'s real tokens."""
+    blocks = flatten_anchors(anchors)
+    real = packed.attention_mask.reshape(-1)
+    # Context key of each real token: its rank among the real tokens of the micro-batch.
+    key_of_token = real.long().cumsum(0) - 1
+    width = packed.shape[1]
+    anchor_flat = blocks.rows * width + blocks.positions
+    start_flat = blocks.rows * width + packed.doc_start[blocks.rows, blocks.positions]
+    return BlockLayout(
+        block_size=block_size,
+        width=width,
+        rows=blocks.rows,
+        anchors=blocks.positions,
+        slots=blocks.slots,
+        context_index=real.nonzero().squeeze(1),
+        context_start=key_of_token[start_flat],
+        context_end=key_of_token[anchor_flat],
+    )
+
+
+def block_mask_mod(layout: BlockLayout, sliding_window: int | None = None) -> MaskMod:
+    """The flex ``mask_mod`` of the block-draft mask (batch index ignored: the layout is one flat row).
+
+    Flex pads queries to its tile size, so the block index is clamped and padded queries masked.
+    """
+    _check_window(sliding_window)
+    size, blocks, context = layout.block_size, max(layout.num_blocks, 1), layout.num_context
+    start, end, q_len = layout.context_start, layout.context_end, layout.q_len
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        block = (q_idx // size).clamp(max=blocks - 1)
+        visible_context = (kv_idx >= start[block]) & (kv_idx < end[block])
+        if sliding_window is not None:
+            # (anchor + offset) - position < window, in flat keys (positions of one document are contiguous).
+            visible_context = visible_context & (kv_idx > end[block] + q_idx % size - sliding_window)
+        own_block = (kv_idx >= context) & ((kv_idx - context) // size == block)
+        return (q_idx < q_len) & (visible_context | own_block)
+
+    return mask_mod
+
+
+def dense_block_mask(layout: BlockLayout, sliding_window: int | None = None) -> Tensor:
+    """Boolean ``[1, 1, Q, KV]`` form of :func:`block_mask_mod` (SDPA / CPU)."""
+    device = layout.anchors.device
+    q_idx = torch.arange(layout.q_len, device=device)[:, None]
+    kv_idx = torch.arange(layout.kv_len, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return block_mask_mod(layout, sliding_window)(zero, zero, q_idx, kv_idx)[None, None]
+
+
+def build_block_mask(layout: BlockLayout, backend: str, sliding_window: int | None = None) -> Tensor | object:
+    """The mask for ``backend``: a dense bool tensor for ``"sdpa"`` / ``"eager"``, a flex ``BlockMask``
+    for ``"flex"``. Build it once per batch; every draft layer reuses it."""
+    if backend in ("sdpa", "eager"):
+        return dense_block_mask(layout, sliding_window)
+    if backend == "flex":
+        mask_mod = block_mask_mod(layout, sliding_window)
+        return block_mask_from_mask_mod(mask_mod, 1, layout.q_len, layout.kv_len, layout.anchors.device)
+    raise ValueError(
+        f"block-draft attention backend {backend!r} is unknown; choose 'sdpa', 'eager' or 'flex'"
+    )
+
+
+def _check_window(sliding_window: int | None) -> None:
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window = {sliding_window!r} must be a positive int or None (no window)")

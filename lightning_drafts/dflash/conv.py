@@ -1,0 +1,62 @@
+"""DFlash2's in-block convolution: a two-tap dynamic grouped depthwise conv around each sublayer.
+
+It targets "suffix decay" (draft quality falling toward the end of a block) by letting each slot mix
+in its in-block predecessor (dflash.md §5.2). Taps read only earlier slots of the **same** block
+(zero before the block start), so drafting all blocks at once equals drafting one block at a time.
+It starts as the identity, so a fresh DFlash2 draft computes exactly what DFlash computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class GroupedDynamicConv(nn.Module):
+    """``out_t[c] = sum_j (base[j, c] + dyn_t[j, c // group_size]) * x_{t-j}[c]`` inside each block.
+
+    One instance wraps one sublayer: :meth:`prepare` convolves the sublayer input with kernel 0 and
+    returns the dynamic coefficients of kernel 1, which :meth:`finish` applies to the sublayer
+    output. Both coefficient sets come from the pre-conv sublayer input. Parameter names
+    (``base_kernel [2, T, H]``, ``kernel_projection: H -> 2 * T * G``) are the published layout.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"conv_kernel_size = {kernel_size} must be >= 1 (2 is the published default)")
+        if group_size < 1 or hidden_size % group_size:
+            raise ValueError(
+                f"conv_group_size = {group_size} must divide the hidden size {hidden_size} "
+                "(channels per dynamic-kernel group; 16 is the published default)"
+            )
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: tap 0 passes the slot through, every other tap and the dynamic part are 0."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """``blocks [M, bs, H]`` -> (convolved input, the dynamic kernel for :meth:`finish`)."""
+        dynamic = self.kernel_projection(blocks).unflatten(-1, (2, self.kernel_size, self.groups))
+        return self._convolve(blocks, self.base_kernel[0], dynamic[..., 0, :, :]), dynamic[..., 1, :, :]
+
+    def finish(self, blocks: Tensor, dynamic: Tensor) -> Tensor:
+        return self._convolve(blocks, self.base_kernel[1], dynamic)
+
+    def _convolve(self, blocks: Tensor, base: Tensor, dynamic: Tensor) -> Tensor:
+        # dynamic [M, bs, T, G] -> per-channel [M, bs, T, H]; tap j reads slot t - j of the same block.
+        kernel = base.to(blocks.dtype) + dynamic.repeat_interleave(self.group_size, dim=-1)
+        out = kernel[:, :, 0] * blocks
+        for tap in range(1, min(self.kernel_size, blocks.shape[1])):
+            shifted = nn.functional.pad(blocks[:, :-tap], (0, 0, tap, 0))
+            out = out + kernel[:, :, tap] * shifted
+        return out

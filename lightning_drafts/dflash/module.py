@@ -1,0 +1,442 @@
+"""DFlashModule and DFlash2Module: block-parallel drafts trained with exact sequence packing.
+
+One micro-batch: the frozen target captures ``target_layer_ids`` over every row (documents isolated)
+-> anchors (per document, whole blocks inside their document) -> all blocks of the micro-batch laid
+out back to back over the real tokens -> one document-aware block mask shared by every layer -> the
+draft fills each block -> block targets and the decay-weighted loss. Packed and padded batches take
+the same path and, given the same anchors, give the same loss, gradients and acceptance statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_drafts.acceptance import acceptance_length, prefix_counts
+from lightning_drafts.anchors import check_anchors, documents_shorter_than, sample_anchors
+from lightning_drafts.attention import resolve_backend
+from lightning_drafts.base import DraftModule
+from lightning_drafts.batch import PackedBatch
+from lightning_drafts.block_masks import BlockLayout, block_layout, build_block_mask
+from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft, default_target_layer_ids, draft_config
+from lightning_drafts.dflash.objective import (
+    LOSS_EPS,
+    BlockTargets,
+    block_targets,
+    chain_hidden,
+    check_prefix_lengths,
+    decay_weights,
+    sample_prefix_lengths,
+    weighted_nll_sum,
+)
+from lightning_drafts.dflash.path_selector import selector_cross_entropy
+from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.target import TargetSpec
+
+DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
+
+
+class DFlashModule(DraftModule):
+    """DFlash (dflash.md §1-4): a non-causal draft that fills a block of ``block_size`` tokens at once.
+
+    Args:
+        target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.
+        mask_token_id: the reserved id whose (frozen target) embedding marks slots to predict. Required:
+            never pad / eos, and the same id at serving time.
+        target_layer_ids: target layers whose outputs (HF ``hidden_states[id + 1]``) are fused, in this
+            order (the order is part of the checkpoint). Default: the DFlash spread over the target.
+        num_draft_layers: draft decoder layers (5 in the paper).
+        block_size: slots per block: the anchor and ``block_size - 1`` drafted tokens.
+        num_anchors: blocks per **document** and micro-batch (fewer when a document has fewer anchors).
+        loss_decay_gamma: decay ``exp(-j / gamma)`` over chain positions; None = uniform. 7 suits block
+            size 16 (5 for 10, 4 for 8).
+        sliding_window: optional context window of every draft layer (in-block attention is untouched).
+        variable_prefix: the D2SD variable-prefix objective (random known prefix per block).
+        prefix_weight_base: ``P(prefix = l) ∝ base ** l`` under ``variable_prefix``.
+        draft_attn_backend: ``"auto"`` (flex on CUDA, else SDPA), ``"sdpa"``, ``"eager"`` or ``"flex"``.
+        draft_overrides: optional draft ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` /
+            ``intermediate_size`` (the hidden size always equals the target's).
+        draft_seed: seed of the draft's initial weights.
+        logits_chunk_blocks: blocks whose logits exist at once. The loss over each chunk is recomputed
+            in backward (activation checkpointing), so ``[M, block_size - 1, V]`` logits never exist
+            whole; None computes them in one piece.
+        **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments (target backend / dtype /
+            seed, optimiser, schedule, FSDP options). Learning rate 6e-4 and warmup 0.04 by default.
+    """
+
+    architecture = "DFlashDraftModel"
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        mask_token_id: int | None = None,
+        target_layer_ids: Sequence[int] | None = None,
+        num_draft_layers: int = 5,
+        block_size: int = 16,
+        num_anchors: int = 512,
+        loss_decay_gamma: float | None = 7.0,
+        sliding_window: int | None = None,
+        variable_prefix: bool = False,
+        prefix_weight_base: float = 0.9,
+        draft_attn_backend: str = "auto",
+        draft_overrides: dict[str, int] | None = None,
+        draft_seed: int = 0,
+        logits_chunk_blocks: int | None = 128,
+        **base_kwargs: Any,
+    ) -> None:
+        base_kwargs.setdefault("learning_rate", 6e-4)
+        base_kwargs.setdefault("warmup_ratio", 0.04)
+        super().__init__(target=target, **base_kwargs)
+        _check_positive_int("num_draft_layers", num_draft_layers)
+        _check_positive_int("num_anchors", num_anchors)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(
+                f"block_size = {block_size!r} must be an int >= 2 (the anchor plus drafted slots)"
+            )
+        self.mask_token_id = _check_mask_token_id(mask_token_id, self.target.vocab_size)
+        if loss_decay_gamma is not None and not loss_decay_gamma > 0:
+            raise ValueError(
+                f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform weights"
+            )
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window = {sliding_window!r} must be a positive int, or None (no window)"
+            )
+        if not prefix_weight_base > 0:
+            raise ValueError(f"prefix_weight_base = {prefix_weight_base!r} must be > 0")
+        if logits_chunk_blocks is not None:
+            _check_positive_int("logits_chunk_blocks", logits_chunk_blocks)
+        if draft_attn_backend not in DRAFT_BACKENDS:
+            raise ValueError(
+                f"draft_attn_backend {draft_attn_backend!r} is unknown; choose one of {DRAFT_BACKENDS}"
+            )
+        num_target_layers = self.target.num_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+        self.target_layer_ids = _check_layer_ids(target_layer_ids, num_target_layers)
+        self.block_size = block_size
+        self.num_anchors = num_anchors
+        self.loss_decay_gamma = loss_decay_gamma
+        self.sliding_window = sliding_window
+        self.variable_prefix = variable_prefix
+        self.prefix_weight_base = prefix_weight_base
+        self.draft_attn_backend = draft_attn_backend
+        self.logits_chunk_blocks = logits_chunk_blocks
+        config = draft_config(self.target.text_config, num_draft_layers, sliding_window, draft_overrides)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(draft_seed)
+            self.draft = self._build_draft(config)
+
+    def _build_draft(self, config: Any) -> DFlashDraft:
+        return DFlashDraft(config, len(self.target_layer_ids))
+
+    # --- anchors and the objective ---------------------------------------------------------------
+
+    def sample_anchors(
+        self, batch: Mapping[str, Tensor] | PackedBatch, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``[B, N]`` anchors (row positions, -1 = none): ``min(num_anchors, valid anchors)`` per document."""
+        return sample_anchors(self.prepare_batch(batch), self.block_size, self.num_anchors, generator)
+
+    def compute_loss(
+        self,
+        batch: Mapping[str, Tensor] | PackedBatch,
+        anchors: Tensor | None = None,
+        prefix_lengths: Tensor | None = None,
+    ) -> DraftOutput:
+        """The objective on one micro-batch; deterministic given ``anchors`` (and, under
+        ``variable_prefix``, ``prefix_lengths`` ``[B, N]`` aligned with them)."""
+        packed = self.prepare_batch(batch)
+        if anchors is None:
+            anchors = self.sample_anchors(packed)
+        else:
+            anchors = check_anchors(packed, anchors, self.block_size)
+        layout = block_layout(packed, anchors, self.block_size)
+        short = documents_shorter_than(packed, self.block_size)
+        known = self._known_slots(layout, anchors, prefix_lengths)
+        if layout.num_blocks == 0:
+            return self._empty_output(short)
+        hidden = self._draft_hidden(packed, layout, known)
+        targets = block_targets(packed, layout, known)
+        output = self._objective(packed, layout, hidden, targets)
+        blocks = torch.tensor(float(layout.num_blocks), device=short.device)
+        output.metrics.update(blocks=blocks, short_documents=short.float())
+        return output
+
+    def _known_slots(self, layout: BlockLayout, anchors: Tensor, prefix_lengths: Tensor | None) -> Tensor:
+        """How many leading slots of each block hold real tokens: 1 (the anchor), or the variable prefix."""
+        if not self.variable_prefix:
+            if prefix_lengths is not None:
+                raise ValueError(
+                    "prefix_lengths were given but variable_prefix is off; drop them or enable it"
+                )
+            return torch.ones_like(layout.anchors)
+        if prefix_lengths is None:
+            if layout.num_blocks == 0:
+                return torch.ones_like(layout.anchors)
+            return sample_prefix_lengths(
+                layout.num_blocks, self.block_size, self.prefix_weight_base, device=layout.anchors.device
+            )
+        return check_prefix_lengths(prefix_lengths, anchors, self.block_size)[layout.rows, layout.slots]
+
+    def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, known: Tensor) -> Tensor:
+        captured = self.target(packed, self.target_layer_ids).hidden_states
+        features = layout.gather_context(torch.cat(captured, dim=-1))
+        tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id, known)
+        backend = self._draft_backend(packed.input_ids.device)
+        mask = build_block_mask(layout, backend, self.sliding_window)
+        return self.draft(
+            features,
+            layout.gather_context(packed.position_ids),
+            self.target.input_embeddings(tokens),
+            layout.block_position_ids(packed.position_ids),
+            mask,
+        )
+
+    def _draft_backend(self, device: torch.device) -> str:
+        if self.draft_attn_backend == "auto":
+            return "flex" if resolve_backend("auto", device) in ("flex", "flash") else "sdpa"
+        return self.draft_attn_backend
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        head = self.target.lm_head
+        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
+
+    def _objective(
+        self, packed: PackedBatch, layout: BlockLayout, hidden: Tensor, targets: BlockTargets
+    ) -> DraftOutput:
+        weights = self._weights(targets)
+        nll_sum, predicted = self._over_chunks(
+            self._chunk_terms, chain_hidden(hidden, targets), targets.labels, weights
+        )
+        loss = nll_sum / (weights.sum() + LOSS_EPS)
+        return DraftOutput(
+            loss=loss, correct=(predicted == targets.labels) & targets.valid, valid=targets.valid
+        )
+
+    def _chunk_terms(self, states: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self._logits(states)
+        return weighted_nll_sum(logits, labels, weights), logits.argmax(-1)
+
+    def _over_chunks(self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor) -> list[Tensor]:
+        """Run ``terms`` on chunks of ``logits_chunk_blocks`` blocks: scalar outputs are summed, per-block
+        outputs concatenated. Each chunk's logits are recomputed in backward instead of kept."""
+        blocks = per_block[0].shape[0]
+        size = self.logits_chunk_blocks or blocks
+        checkpointed = torch.is_grad_enabled() and blocks > size
+        results = []
+        for start in range(0, blocks, size):
+            chunk = [tensor[start : start + size] for tensor in per_block]
+            if checkpointed:
+                results.append(torch.utils.checkpoint.checkpoint(terms, *chunk, use_reentrant=False))
+            else:
+                results.append(terms(*chunk))
+        return [
+            torch.stack(parts).sum() if parts[0].dim() == 0 else torch.cat(parts)
+            for parts in zip(*results, strict=True)
+        ]
+
+    def _weights(self, targets: BlockTargets) -> Tensor:
+        decay = decay_weights(targets.labels.shape[1], self.loss_decay_gamma, targets.labels.device)
+        return decay * targets.valid
+
+    def _empty_output(self, short: Tensor) -> DraftOutput:
+        """No anchor anywhere: a zero loss still connected to every trainable parameter, so each rank
+        runs backward and DDP / FSDP stay in lockstep."""
+        trainable = [p for p in self.draft.parameters() if p.requires_grad]
+        loss = torch.stack([p.sum() for p in trainable]).sum() * 0.0
+        empty = torch.zeros(0, self.block_size - 1, dtype=torch.bool, device=loss.device)
+        metrics = {name: torch.zeros((), device=loss.device) for name in self._metric_names()}
+        metrics["short_documents"] = short.float()
+        return DraftOutput(loss=loss, correct=empty, valid=empty.clone(), metrics=metrics)
+
+    def _metric_names(self) -> tuple[str, ...]:
+        return ("blocks", "short_documents")
+
+    # --- serving export ----------------------------------------------------------------------------
+
+    def export(self, output_dir: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM's ``dflash`` and SGLang load."""
+        from lightning_drafts.dflash.export import export_draft
+
+        return export_draft(self, Path(output_dir))
+
+    def load_exported(self, path: str | Path) -> None:
+        """Load exported draft weights into this module (the export's dflash_config must match)."""
+        from lightning_drafts.dflash.export import load_into_module
+
+        load_into_module(self, Path(path))
+
+    def dflash_config(self) -> dict[str, Any]:
+        """The ``dflash_config`` block of the exported config (what serving engines read)."""
+        return {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+
+
+class DFlash2Module(DFlashModule):
+    """DFlash2 (dflash.md §5): DFlash plus an in-block two-tap convolution around every sublayer and a
+    pairwise path selector over each slot's top-``selector_top_k`` candidates.
+
+    Extra args: ``conv_kernel_size`` (2), ``conv_group_size`` (16, must divide the hidden size),
+    ``selector_rank`` (256), ``selector_top_k`` (16, at most the vocabulary), ``selector_loss_weight``
+    (λ, 1.0, >= 0). ``variable_prefix`` is not supported. ``correct`` is the selector's teacher-forced
+    pick; ``metrics`` add ``candidate_recall``, ``greedy_accept_len`` (the real greedy selector walk),
+    ``base_accept_len`` (backbone argmax), ``base_loss`` and ``selector_loss``.
+    """
+
+    architecture = "DFlash2DraftModel"
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        mask_token_id: int | None = None,
+        num_anchors: int = 256,
+        conv_kernel_size: int = 2,
+        conv_group_size: int = 16,
+        selector_rank: int = 256,
+        selector_top_k: int = 16,
+        selector_loss_weight: float = 1.0,
+        **dflash_kwargs: Any,
+    ) -> None:
+        if dflash_kwargs.get("variable_prefix"):
+            raise ValueError(
+                "DFlash2 does not support variable_prefix (its selector assumes a one-token prefix)"
+            )
+        if not selector_loss_weight >= 0:
+            raise ValueError(f"selector_loss_weight = {selector_loss_weight!r} must be >= 0")
+        block_size = dflash_kwargs.get("block_size", 16)
+        if (
+            isinstance(conv_kernel_size, int)
+            and isinstance(block_size, int)
+            and conv_kernel_size > block_size
+        ):
+            raise ValueError(
+                f"conv_kernel_size = {conv_kernel_size} exceeds block_size = {block_size}; taps past the block "
+                "start only read zeros"
+            )
+        self._conv = (conv_kernel_size, conv_group_size)
+        self._selector_rank = selector_rank
+        super().__init__(target=target, mask_token_id=mask_token_id, num_anchors=num_anchors, **dflash_kwargs)
+        _check_positive_int("selector_top_k", selector_top_k)
+        if selector_top_k > self.target.vocab_size:
+            raise ValueError(
+                f"selector_top_k = {selector_top_k} exceeds the vocabulary ({self.target.vocab_size} tokens)"
+            )
+        self.selector_top_k = selector_top_k
+        self.selector_loss_weight = selector_loss_weight
+
+    def _build_draft(self, config: Any) -> DFlash2Draft:
+        kernel, group = self._conv
+        return DFlash2Draft(config, len(self.target_layer_ids), kernel, group, self._selector_rank)
+
+    def _metric_names(self) -> tuple[str, ...]:
+        return (
+            *super()._metric_names(),
+            "candidate_recall",
+            "greedy_accept_len",
+            "base_accept_len",
+            "base_loss",
+            "selector_loss",
+        )
+
+    def _objective(
+        self, packed: PackedBatch, layout: BlockLayout, hidden: Tensor, targets: BlockTargets
+    ) -> DraftOutput:
+        weights = self._weights(targets)
+        # Teacher forcing: chain j follows the gold token at anchor + j (the anchor itself for j = 0).
+        predecessors = packed.input_ids[layout.rows[:, None], layout.block_row_positions()[:, :-1]]
+        nll_sum, predicted, selector_sum, selector_weight, covered, picks, walk = self._over_chunks(
+            self._chunk_terms, chain_hidden(hidden, targets), targets.labels, weights, predecessors
+        )
+        base_loss = nll_sum / (weights.sum() + LOSS_EPS)
+        selector_loss = selector_sum / (selector_weight + LOSS_EPS)
+        labels, valid = targets.labels, targets.valid
+        metrics = {
+            "candidate_recall": (covered & valid).sum() / valid.sum().clamp(min=1),
+            "greedy_accept_len": _accept_len((walk == labels) & valid, valid),
+            "base_accept_len": _accept_len((predicted == labels) & valid, valid),
+            "base_loss": base_loss.detach(),
+            "selector_loss": selector_loss.detach(),
+        }
+        return DraftOutput(
+            loss=base_loss + self.selector_loss_weight * selector_loss,
+            correct=(picks == labels) & valid,
+            valid=valid,
+            metrics={k: v.float() for k, v in metrics.items()},
+        )
+
+    def _chunk_terms(
+        self, states: Tensor, labels: Tensor, weights: Tensor, predecessors: Tensor
+    ) -> tuple[Tensor, ...]:
+        logits = self._logits(states)
+        selector = self.draft.candidate_selector
+        unary, candidates = logits.topk(self.selector_top_k, dim=-1)
+        scores = selector.scores(states, unary, candidates, predecessors)
+        selector_sum, selector_weight, covered = selector_cross_entropy(scores, candidates, labels, weights)
+        picks = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+        walk = selector.greedy_walk(states.detach(), unary.detach(), candidates, predecessors[:, 0])
+        return (
+            weighted_nll_sum(logits, labels, weights),
+            logits.argmax(-1),
+            selector_sum,
+            selector_weight.detach(),
+            covered,
+            picks,
+            walk,
+        )
+
+    def dflash_config(self) -> dict[str, Any]:
+        kernel, group = self._conv
+        return {
+            **super().dflash_config(),
+            "conv_kernel_size": kernel,
+            "conv_group_size": group,
+            "selector_rank": self._selector_rank,
+            "selector_top_k": self.selector_top_k,
+        }
+
+
+def _accept_len(correct: Tensor, valid: Tensor) -> Tensor:
+    return acceptance_length(*prefix_counts(correct, valid))
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} = {value!r} must be a positive int")
+
+
+def _check_mask_token_id(mask_token_id: Any, vocab_size: int) -> int:
+    if mask_token_id is None:
+        raise ValueError(
+            "mask_token_id is required: pass a reserved, otherwise unused token id of the target vocabulary "
+            "(e.g. 151669 for Qwen3, 248070 for Qwen3.5+); never pad or eos"
+        )
+    if (
+        isinstance(mask_token_id, bool)
+        or not isinstance(mask_token_id, int)
+        or not 0 <= mask_token_id < vocab_size
+    ):
+        raise ValueError(
+            f"mask_token_id = {mask_token_id!r} is outside the target vocabulary [0, {vocab_size})"
+        )
+    return mask_token_id
+
+
+def _check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    ids = list(layer_ids)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if not ids or bad:
+        raise ValueError(
+            f"target_layer_ids {ids} must be a non-empty list of layer indices in [0, {num_layers}) "
+            f"(offending: {bad}); ids name decoder-layer outputs, HF hidden_states[id + 1]"
+        )
+    return ids

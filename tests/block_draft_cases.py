@@ -1,0 +1,96 @@
+"""Shared cases of the block-draft tests: packed / padded twins of one set of documents, the map of
+anchors between the two layouts, and the packed == padded comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_drafts.anchors import anchors_from_positions, flatten_anchors
+from lightning_drafts.batch import PackedBatch
+from lightning_drafts.dflash import DFlashModule
+from tests.builders import VOCAB, packed_row, padded_rows, random_docs, stack_rows
+
+MASK_TOKEN = VOCAB - 1  # never drawn by `documents`, as a reserved id should be
+BLOCK = 4
+ROWS = [[9, 6, 3], [11, 7], [10, 8]]  # the 3-token document is shorter than a block
+
+
+def documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    return random_docs(lengths, vocab=MASK_TOKEN, seed=seed)
+
+
+def with_prompts(batch: dict, prompt: int = 2, holes: tuple[int, ...] = ()) -> dict:
+    """Unsupervise the first ``prompt`` tokens of every document (and the document offsets in ``holes``,
+    a short user turn between two assistant turns), as chat data does."""
+    batch = dict(batch)
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+    supervised = (positions >= prompt) & ~torch.isin(positions, torch.tensor(holes, dtype=torch.long))
+    batch["loss_mask"] = batch["loss_mask"] * supervised.long()
+    return batch
+
+
+def twins(rows: list[list[int]], width: int, seed: int = 0) -> tuple[dict, dict]:
+    """The same documents packed ``rows`` to a row (``width`` wide) and one per padded row."""
+    docs = documents([n for row in rows for n in row], seed=seed)
+    packed, start = [], 0
+    for lengths in rows:
+        packed.append(packed_row(docs[start : start + len(lengths)], width))
+        start += len(lengths)
+    padded = padded_rows(docs, max(len(d) for d in docs))
+    return with_prompts(stack_rows(packed), holes=(6,)), with_prompts(padded, holes=(6,))
+
+
+def to_padded(
+    packed: PackedBatch, anchors: torch.Tensor, values: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed ``[B, N]`` anchors (and per-anchor ``values`` aligned with them) -> the same anchors in
+    the one-document-per-row layout.
+
+    Document g of the padded batch is the g-th document of the packed batch in row-major order, and a
+    row position becomes the offset inside its document. Block order is preserved (row-major on both
+    sides), so per-block values keep their block.
+    """
+    blocks = flatten_anchors(anchors)
+    docs_per_row = (packed.seq_lens > 0).sum(1)
+    first_doc = docs_per_row.cumsum(0) - docs_per_row
+    doc = first_doc[blocks.rows] + packed.doc_ids[blocks.rows, blocks.positions]
+    offset = blocks.positions - packed.doc_start[blocks.rows, blocks.positions]
+    padded = anchors_from_positions(doc, offset, int(docs_per_row.sum()))
+    if values is None:
+        return padded, None
+    target = flatten_anchors(padded)
+    padded_values = torch.zeros_like(padded)
+    padded_values[target.rows, target.slots] = values[blocks.rows, blocks.slots]
+    return padded, padded_values
+
+
+def perturb(module: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> None:
+    """Move every draft weight off its initial value so identity-initialised parts get exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.draft.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=gen))
+
+
+def run(module: DFlashModule, batch: dict, anchors: torch.Tensor, **kwargs):
+    module.zero_grad()
+    output = module.compute_loss(batch, anchors=anchors, **kwargs)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in module.draft.named_parameters()}
+    return output, grads
+
+
+def assert_same_results(first, second):
+    (out_a, grads_a), (out_b, grads_b) = first, second
+    torch.testing.assert_close(out_a.loss, out_b.loss, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out_a.valid, out_b.valid) and torch.equal(out_a.correct, out_b.correct)
+    assert int(out_a.valid_tokens) == int(out_b.valid_tokens)
+    for name, grad in grads_b.items():
+        # fp32 round-off only: within 1e-5 of each tensor's largest gradient.
+        scale = max(grad.abs().max().item(), 1e-6)
+        torch.testing.assert_close(grads_a[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert out_a.metrics.keys() == out_b.metrics.keys()
+    for name in out_a.metrics:
+        torch.testing.assert_close(out_a.metrics[name], out_b.metrics[name], rtol=1e-5, atol=1e-6)
