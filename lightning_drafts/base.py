@@ -60,12 +60,20 @@ class DraftModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         shard_target: bool = False,
         activation_checkpointing: bool = False,
+        tokenizer_vocab_size: int | None = None,
+        pad_token_id: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
+        target = _with_tokenizer_vocab(target, tokenizer_vocab_size)
         self.target = FrozenTarget(
             target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed
         )
+        if tokenizer_vocab_size is not None and tokenizer_vocab_size > self.target.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer_vocab_size} tokens but the target's vocabulary has "
+                f"{self.target.vocab_size}; the tokenizer does not belong to this target"
+            )
         # Checkpoints hold only the draft. Strategies that load state themselves (FSDP2) must not
         # demand target keys; on_load_checkpoint still refuses a checkpoint missing draft keys.
         self.strict_loading = False

@@ -11,8 +11,8 @@ from lightning_drafts import DraftModule, DraftOutput
 class NextTokenProbe(DraftModule):
     """The smallest draft: a linear head on one captured layer predicting the target's greedy next token."""
 
-    def __init__(self, target: dict, learning_rate: float = 1e-2) -> None:
-        super().__init__(target=target, learning_rate=learning_rate)
+    def __init__(self, target: dict, learning_rate: float = 1e-2, **kwargs) -> None:
+        super().__init__(target=target, learning_rate=learning_rate, **kwargs)
         self.head = nn.Linear(self.target.text_config.hidden_size, self.target.vocab_size)
 
     def compute_loss(self, batch, anchors=None) -> DraftOutput:

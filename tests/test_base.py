@@ -88,3 +88,10 @@ def test_a_checkpoint_missing_draft_weights_is_refused(tmp_path):
     torch.save(checkpoint, path)
     with pytest.raises(ValueError, match="head.bias"):
         NextTokenProbe.load_from_checkpoint(path, target=TINY_TARGETS["llama"])
+
+
+def test_tokenizer_vocabulary_fills_a_config_target_and_must_fit_a_given_one():
+    config = {k: v for k, v in TINY_TARGETS["llama"].items() if k != "vocab_size"}
+    assert NextTokenProbe(config, tokenizer_vocab_size=50).target.vocab_size == 50
+    with pytest.raises(ValueError, match="tokenizer has 200 tokens"):
+        NextTokenProbe(TINY_TARGETS["llama"], tokenizer_vocab_size=200)

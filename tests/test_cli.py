@@ -1,0 +1,65 @@
+"""The CLI: every shipped quickstart config fits through `lightning-drafts`, logs to TensorBoard, exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_drafts.cli import main, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("*.yaml"))
+RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+
+
+def short_fit(config: Path, save_dir: Path) -> list[str]:
+    return [
+        "fit",
+        f"--config={config}",
+        "--trainer.max_steps=4",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--data.init_args.max_documents=200",
+        f"--data.init_args.cache_dir={save_dir / 'cache'}",
+    ]
+
+
+@pytest.mark.parametrize("config", QUICKSTARTS, ids=lambda p: p.stem)
+def test_quickstart_config_fits_logs_and_exports(config, tmp_path):
+    cli = run_cli(short_fit(config, tmp_path))
+    assert cli.trainer.global_step == 4
+
+    events = EventAccumulator(cli.trainer.logger.log_dir)
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/accept_len", "train/valid_tokens", "val/loss", "val/accept_len"} <= scalars
+    assert {"train/real_tokens_per_s", "train/padding_fraction"} <= scalars
+    assert all(torch.isfinite(torch.tensor(e.value)) for e in events.Scalars("train/loss"))
+    assert all(e.value >= 1.0 for e in events.Scalars("val/accept_len"))
+
+    (best,) = Path(cli.trainer.logger.log_dir, "checkpoints").glob("*.ckpt")
+    state = torch.load(best, weights_only=False)["state_dict"]
+    assert state and not any(key.startswith("target.") for key in state)
+
+    main(["export", str(best), str(tmp_path / "export")])
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert any((tmp_path / "export").glob("*.safetensors"))
+
+
+def test_a_misspelled_config_key_names_the_key(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_cli([*short_fit(QUICKSTARTS[0], tmp_path), "--model.init_args.ttt_lenght=3"])
+    assert "ttt_lenght" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", RECIPES, ids=lambda p: p.stem)
+def test_gpu_recipe_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(["fit", f"--config={config}", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "class_path" in capsys.readouterr().out
