@@ -55,7 +55,7 @@ def test_training_logs_loss_and_acceptance_to_tensorboard(tmp_path):
         "val/accept_len",
     } <= tags
     losses = [e.value for e in events.Scalars("train/loss")]
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1
+    assert len(losses) == 6 and all(b < a for a, b in zip(losses, losses[1:], strict=False))
     assert all(1.0 <= e.value <= 2.0 for e in events.Scalars("train/accept_len"))
     assert "val/acceptance_by_position" in events.Tags()["histograms"]
     # Each row holds 12 real tokens in 16 slots.
