@@ -2,7 +2,8 @@
 
 ``fit`` / ``validate`` are LightningCLI (subclass mode over :class:`DraftModule` and
 :class:`PackedChatDataModule`, so a config names the draft family by ``class_path``);
-``export`` writes the serving layout of a trained checkpoint.
+``export`` writes the serving layout of a trained checkpoint; ``evaluate`` serves an exported draft with
+real greedy speculative decoding and reports its acceptance beside the training-time estimate.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def main(args: list[str] | None = None) -> None:
     args = sys.argv[1:] if args is None else args
     if args[:1] == ["export"]:
         export_main(args[1:])
+        return
+    if args[:1] == ["evaluate"]:
+        from lightning_drafts.evaluate_cli import evaluate_main
+
+        evaluate_main(args[1:])
         return
     run_cli(args)
 

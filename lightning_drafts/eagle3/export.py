@@ -35,7 +35,12 @@ rather than mis-loading it. It reloads with :func:`load_eagle3`.
 
 Both configs carry a ``lightning_drafts`` section (``draft_class``, ``target_layer_ids``, ``ttt_length``,
 ``loss_decay_gamma``, ``draft_vocab_size``, ``target`` when it is a hub id / path / config dict,
-``target_seed``) that :func:`load_eagle3` uses to rebuild the module.
+``target_seed``, ``init_fingerprints`` of the LM head's random initialisation) that :func:`load_eagle3`
+uses to rebuild the module and the validator uses to prove the LM head was trained.
+
+Every export is checked by :func:`~lightning_drafts.eagle3.export_check.validate_eagle3_export` before
+``export_eagle3`` returns. :func:`load_eagle3_draft` reads the draft the way a serving engine does (shapes
+and RoPE from ``config.json``, weights from ``model.safetensors``), for ``lightning-drafts evaluate``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.module import Eagle3Base, Eagle3Module, MLAEagle3Module
 
 CONFIG_FILE = "config.json"
@@ -112,7 +118,27 @@ def export_eagle3(module: Eagle3Base, output_dir: str | Path) -> Path:
     (output / CONFIG_FILE).write_text(json.dumps(serving_config(module), indent=2) + "\n")
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in module.draft.state_dict().items()}
     save_file(weights, str(output / WEIGHTS_FILE), metadata={"format": "pt"})
+    # Imported here: the validator reads this module's layout constants.
+    from lightning_drafts.eagle3.export_check import validate_eagle3_export
+
+    validate_eagle3_export(output, target=module.target)
     return output
+
+
+def load_eagle3_draft(directory: str | Path) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """The draft network and ``config.json`` of an export, read as a serving engine reads them.
+
+    Shapes and RoPE come from ``config.json`` (not from the target), the weights (``d2t`` included) from
+    ``model.safetensors``, loaded strictly in the dtype they were saved in. Run the validator first.
+    """
+    from lightning_drafts.eagle3.export_check import draft_from_serving_config
+
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    state = load_file(str(directory / WEIGHTS_FILE))
+    draft = draft_from_serving_config(config).to(state["fc.weight"].dtype)
+    draft.load_state_dict(state, strict=True)
+    return draft.eval().requires_grad_(False), config
 
 
 def load_eagle3(directory: str | Path, target: Any = None, **overrides: Any) -> Eagle3Base:
@@ -146,11 +172,16 @@ def load_eagle3(directory: str | Path, target: Any = None, **overrides: Any) -> 
     _check_same_target(module, config, directory)
     module.draft.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=True)
     module.vocab_mapping_built.fill_(True)
+    # The original init, not the one just overwritten, is what a re-export must be checked against.
+    module.init_fingerprints = dict(record.get("init_fingerprints") or {})
     return module
 
 
 def _training_record(module: Eagle3Base) -> dict[str, Any]:
     target = module.hparams.get("target")
+    if isinstance(target, dict) and "vocab_size" not in target:
+        # The CLI fills a config-dict target's vocabulary from the tokenizer; rebuild it with that size.
+        target = {**target, "vocab_size": module.target.vocab_size}
     return {
         "draft_class": _family(module),
         "target_layer_ids": list(module.target_layer_ids),
@@ -160,6 +191,7 @@ def _training_record(module: Eagle3Base) -> dict[str, Any]:
         "draft_vocab_size": module.draft.draft_vocab_size,
         "target": target if isinstance(target, (str, dict)) else None,
         "target_seed": module.hparams.get("target_seed", 0),
+        "init_fingerprints": dict(getattr(module, "init_fingerprints", {})),
     }
 
 

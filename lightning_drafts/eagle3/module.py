@@ -30,9 +30,12 @@ from lightning_drafts.eagle3.vocab_mapping import (
     count_supervised_tokens,
     load_token_counts,
 )
+from lightning_drafts.export_check import initial_fingerprints
 from lightning_drafts.target import TargetSpec, default_capture_layers
 
 DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
+# Trained from a random init: an export holding them bit-identical to it cannot serve (export_check).
+INIT_CHECKED_TENSORS = ("lm_head.weight",)
 
 
 class Eagle3Base(DraftModule):
@@ -86,6 +89,8 @@ class Eagle3Base(DraftModule):
         draft_size = check_draft_vocab_size(draft_vocab_size, vocab_size)
         self.draft: Eagle3Draft = self.build_draft(self.target.text_config, vocab_size, draft_size)
         self.draft.copy_embeddings(self.target.input_embeddings.weight)
+        # The export validator proves the LM head moved away from this init (see export_check).
+        self.init_fingerprints = initial_fingerprints(self.draft, INIT_CHECKED_TENSORS)
         # Saved in checkpoints, so a resumed run never trains against an unset mapping.
         self.register_buffer("vocab_mapping_built", torch.tensor(draft_size == vocab_size))
         self.vocab_mapping: VocabMapping | None = None
@@ -100,6 +105,15 @@ class Eagle3Base(DraftModule):
     @property
     def compresses_vocab(self) -> bool:
         return self.draft.draft_vocab_size < self.target.vocab_size
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["draft_init_fingerprints"] = dict(self.init_fingerprints)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        # A resumed module was re-initialised with other random values; the original init is the one to check.
+        self.init_fingerprints = dict(checkpoint.get("draft_init_fingerprints", {}))
 
     # --- vocabulary mapping ---------------------------------------------------------------------
 

@@ -25,7 +25,9 @@ class FrequencyTable(nn.Module):
 
     def __init__(self, inv_freq: Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
-        self._master = inv_freq.detach().to(device="cpu", dtype=torch.float32).clone()
+        master = inv_freq.detach().to(dtype=torch.float32)
+        # A draft built on the meta device (shape checks, deferred init) has no values to keep.
+        self._master = master if master.is_meta else master.to("cpu").clone()
         self.attention_scaling = float(attention_scaling)
         self.register_buffer("inv_freq", self._master.clone(), persistent=False)
 

@@ -1,0 +1,120 @@
+"""ServedAcceptanceCallback: real speculative decoding from the exported draft at validation time.
+
+``val/accept_len`` is the training-time estimate (tau_sim); ``val/served_accept_len`` is what a serving
+engine would see from the files ``export`` writes, so a gap between the two (wrong layer ids, an LM head
+lost on export, a misread ``d2t``) shows up during training instead of after deployment.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_drafts.evaluate import evaluate_export, prompts_from_batch
+
+
+class ServedAcceptanceCallback(L.Callback):
+    """Exports the module to a temporary directory and serves it on a few validation prompts.
+
+    Prompts are the tokens before each validation document's first supervised (assistant) token, taken
+    from the first validation batches. The served draft proposes ``num_steps`` tokens per round (default:
+    the family's, e.g. EAGLE-3's ``ttt_length``) and the frozen target verifies them; the mean acceptance
+    length is logged as ``val/served_accept_len`` (averaged over ranks).
+
+    Args:
+        num_prompts: prompts per evaluation (per rank).
+        max_new_tokens: tokens generated per prompt.
+        every_n_val_epochs: evaluate at every n-th validation run (sanity checks never count).
+        num_steps: tokens proposed per round (``None``: the family default).
+        max_prompt_tokens: keep at most this many prompt tokens (the last ones).
+    """
+
+    def __init__(
+        self,
+        num_prompts: int = 4,
+        max_new_tokens: int = 32,
+        every_n_val_epochs: int = 1,
+        num_steps: int | None = None,
+        max_prompt_tokens: int | None = 256,
+    ) -> None:
+        for name, value in (
+            ("num_prompts", num_prompts),
+            ("max_new_tokens", max_new_tokens),
+            ("every_n_val_epochs", every_n_val_epochs),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServedAcceptanceCallback: {name}={value!r} must be an int >= 1")
+        self.num_prompts = num_prompts
+        self.max_new_tokens = max_new_tokens
+        self.every_n_val_epochs = every_n_val_epochs
+        self.num_steps = num_steps
+        self.max_prompt_tokens = max_prompt_tokens
+        self.validation_runs = 0
+        self._due = False
+        self._prompts: list[Tensor] = []
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._prompts = []
+        self._due = not trainer.sanity_checking and self.validation_runs % self.every_n_val_epochs == 0
+
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._due and len(self._prompts) < self.num_prompts and isinstance(batch, dict):
+            needed = self.num_prompts - len(self._prompts)
+            self._prompts += prompts_from_batch(batch, needed, self.max_prompt_tokens)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        due, self._due = self._due, False
+        self.validation_runs += 1
+        if not due:
+            return
+        if not self._prompts:
+            rank_zero_warn(
+                "ServedAcceptanceCallback found no prompt in the validation batches (a prompt is the tokens "
+                "before a document's first loss_mask token); val/served_accept_len is not logged"
+            )
+            return
+        value = self._served_accept_len(pl_module)
+        if value is None:
+            rank_zero_warn(
+                "ServedAcceptanceCallback: no verify round ran (every generation stopped after its first token); "
+                "val/served_accept_len is not logged"
+            )
+            return
+        pl_module.log("val/served_accept_len", value, on_epoch=True, sync_dist=True, batch_size=1)
+
+    def _served_accept_len(self, pl_module: L.LightningModule) -> float | None:
+        if any(type(p).__name__ == "DTensor" for p in pl_module.parameters()):
+            # Sharded (FSDP2) weights would need a collective gather to export; not supported here.
+            rank_zero_warn("ServedAcceptanceCallback does not support sharded (FSDP) drafts; skipped")
+            return None
+        with tempfile.TemporaryDirectory(prefix="served-draft-") as directory:
+            pl_module.export(directory)
+            report = evaluate_export(
+                directory,
+                self._prompts,
+                target=pl_module.target,
+                max_new_tokens=self.max_new_tokens,
+                num_steps=self.num_steps,
+                with_training_estimate=False,
+            )
+        return report.served.accept_len
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"validation_runs": self.validation_runs}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.validation_runs = int(state_dict.get("validation_runs", 0))

@@ -1,0 +1,120 @@
+"""EAGLE-3 chain drafting from an exported draft, as vLLM / SGLang run it (the evaluate plug-in).
+
+Everything comes from the export: the draft network from ``config.json`` + ``model.safetensors``
+(:func:`~lightning_drafts.eagle3.export.load_eagle3_draft`), the captured layers from vLLM's
+``eagle_aux_hidden_state_layer_ids`` (layer *inputs*, so ``id - 1`` names the layer output; the
+validator has checked it against SGLang's field and the training record), and draft-to-target ids from
+the exported ``d2t`` offsets, ``target = draft + d2t[draft]``.
+
+One proposal of ``num_steps`` tokens from a verified prefix ``x_0 .. x_{L-1}`` (the last token has no
+target features yet), in the training frame of eagle3.md §2.5 / §5.2:
+
+* depth 1 (TTT step 0): every context slot ``i = 0 .. L-2`` reads ``fc(target features of x_<=i)`` and
+  the token ``x_{i+1}`` at RoPE position ``i``, attending causally to the context; the last slot predicts
+  the first draft token. Its keys are the context keys every later depth sees (Block 1);
+* depth ``k + 1`` (TTT step ``k``): only the last slot continues, with the draft's own hidden state from
+  the previous depth, the previous draft token, RoPE position ``L - 2 + k``, and the context keys plus its
+  own keys from depths ``2 .. k + 1`` (the TTT diagonal), exactly what an engine's draft KV cache holds.
+
+No KV cache across rounds: the context is re-encoded each round, which gives the same keys an engine
+would have cached for the verified tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_drafts.eagle3.draft_base import Eagle3Draft
+from lightning_drafts.eagle3.export import load_eagle3, load_eagle3_draft
+from lightning_drafts.eagle3.export_check import served_layer_ids, validate_eagle3_export
+from lightning_drafts.eagle3.module import Eagle3Base
+from lightning_drafts.eagle3.ttt import TTTCache
+from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix
+from lightning_drafts.target import FrozenTarget
+
+
+class Eagle3Speculator:
+    """Greedy chain drafting of ``num_steps`` tokens with an EAGLE-3 / MLA-EAGLE-3 draft.
+
+    Args:
+        draft: the draft network (as loaded from the export).
+        target_layer_ids: decoder-layer outputs the draft's ``fc`` reads, in ``fc``'s chunk order.
+        num_steps: chain depth (tokens per proposal).
+    """
+
+    def __init__(
+        self, draft: Eagle3Draft, target_layer_ids: list[int] | tuple[int, ...], num_steps: int
+    ) -> None:
+        self.draft = draft
+        self.target_layer_ids = tuple(target_layer_ids)
+        self.num_steps = num_steps
+
+    def propose(self, prefix: VerifiedPrefix) -> Tensor:
+        return self.chain(prefix)[0]
+
+    @torch.no_grad()
+    def chain(self, prefix: VerifiedPrefix, forced: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(target ids [num_steps], draft logits [num_steps, V_d])`` of one chain from ``prefix``.
+
+        ``forced`` (target ids ``[num_steps - 1]``) feeds given tokens to depths ``2..num_steps`` instead
+        of the draft's own picks: the teacher forcing of training, to compare the two paths exactly.
+        """
+        context = prefix.tokens.numel() - 1
+        device = self.draft.fc.weight.device
+        aux = torch.cat(prefix.hidden_states, dim=-1)[None].to(device)
+        positions = torch.arange(context, device=device)[None]
+        causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()[None, None]
+        cache = TTTCache()
+        inputs = prefix.tokens[1:][None].to(device)
+        hidden = self.draft.step(inputs, self.draft.project_hidden_states(aux), positions, cache, causal)
+        hidden = hidden[:, -1:]
+        # Later depths see every context key (Block 1) and their own chain through the diagonal.
+        last_row = causal[..., -1:, :]
+        logits = [self.draft.compute_logits(hidden[:, -1])]
+        tokens = [self._target_token(logits[-1])]
+        for depth in range(1, self.num_steps):
+            token = tokens[-1] if forced is None else forced[depth - 1 : depth].to(device)
+            hidden = self.draft.step(token.view(1, 1), hidden, positions[:, -1:] + depth, cache, last_row)
+            logits.append(self.draft.compute_logits(hidden[:, -1]))
+            tokens.append(self._target_token(logits[-1]))
+        return torch.cat(tokens).to(prefix.tokens.device), torch.cat(logits)
+
+    def _target_token(self, logits: Tensor) -> Tensor:
+        draft_id = logits.argmax(-1)
+        # The engines' reading of d2t: offsets, target id = draft id + d2t[draft id].
+        return draft_id + self.draft.d2t[draft_id]
+
+
+def load_speculator(directory: Path, target: FrozenTarget, num_steps: int) -> Eagle3Speculator:
+    """The speculator of an (already validated) export, on the target's device."""
+    draft, config = load_eagle3_draft(directory)
+    draft.to(target.lm_head.weight.device)
+    return Eagle3Speculator(draft, served_layer_ids(config), num_steps)
+
+
+def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) -> Eagle3Base:
+    """The module the export came from, sharing ``target``'s model, unrolled ``num_steps`` TTT steps."""
+    return load_eagle3(
+        directory,
+        target=target.model,
+        ttt_length=num_steps,
+        target_attn_backend=target.requested_backend,
+    )
+
+
+def default_num_steps(config: dict[str, Any]) -> int:
+    """The ``ttt_length`` the draft was trained with (the depth its estimate covers)."""
+    return int((config.get("lightning_drafts") or {}).get("ttt_length") or 3)
+
+
+SERVED_FAMILY = ServedFamily(
+    name="EAGLE-3",
+    validate=validate_eagle3_export,
+    load_speculator=load_speculator,
+    load_training_module=load_training_module,
+    default_num_steps=default_num_steps,
+)

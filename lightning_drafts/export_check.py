@@ -1,0 +1,146 @@
+"""Family-agnostic pieces of the export validator: reading an export and reporting its defects.
+
+The most reported failure of draft trainers is an export that trains well and serves badly (wrong
+captured-layer ids, a missing or never-trained LM head, a ``d2t`` read differently, RoPE settings
+lost). Each family checks its own layout with these helpers and raises one ``ValueError`` that lists
+every defect, each naming the config field or tensor at fault and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What a validated export tells a serving engine (and the evaluator).
+
+    Attributes:
+        architecture: ``config.json`` ``architectures[0]``.
+        target_layer_ids: the captured target layers the draft reads, as decoder-layer **outputs**,
+            0-based (HF ``hidden_states[id + 1]``), whatever convention each engine field uses.
+        layer_id_convention: the convention the exporter recorded for its own ids.
+        details: family-specific facts (draft vocabulary size, RoPE, ...).
+    """
+
+    architecture: str
+    target_layer_ids: tuple[int, ...]
+    layer_id_convention: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExportFiles:
+    """An export directory opened lazily: the parsed config and the names / shapes / dtypes of its tensors."""
+
+    directory: Path
+    config: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+    def tensor(self, name: str) -> Tensor:
+        with safe_open(str(self.directory / WEIGHTS_FILE), framework="pt") as weights:
+            return weights.get_tensor(name)
+
+
+def read_export(directory: str | Path) -> ExportFiles:
+    """Open ``directory``; a missing or unreadable ``config.json`` / ``model.safetensors`` raises ``ValueError``."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: an export directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error}); re-run the export") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    try:
+        with safe_open(str(weights_path), framework="pt") as weights:
+            shapes, dtypes = {}, {}
+            for name in weights.keys():
+                piece = weights.get_slice(name)
+                shapes[name] = tuple(piece.get_shape())
+                dtypes[name] = _torch_dtype(piece.get_dtype())
+    except Exception as error:  # safetensors raises its own error types for truncated / foreign files
+        raise ValueError(
+            f"{weights_path} is not a readable safetensors file ({error}); re-run the export"
+        ) from error
+    return ExportFiles(directory, config, shapes, dtypes)
+
+
+def architecture_of(config: dict[str, Any], directory: Path) -> str:
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise ValueError(
+            f"{directory / CONFIG_FILE}: 'architectures' must be a non-empty list naming the draft class "
+            f"(e.g. ['LlamaForCausalLMEagle3']), got {architectures!r}"
+        )
+    return architectures[0]
+
+
+class DefectList:
+    """Collects export defects so one ``ValueError`` reports all of them at once."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.defects: list[str] = []
+
+    def add(self, name: str, problem: str) -> None:
+        self.defects.append(f"{name}: {problem}")
+
+    def raise_if_any(self) -> None:
+        if self.defects:
+            lines = "\n  - ".join(self.defects)
+            raise ValueError(f"the export in {self.directory} would not serve correctly:\n  - {lines}")
+
+
+def tensor_fingerprint(tensor: Tensor) -> str:
+    """A digest of a tensor's exact bytes, dtype and shape: equal digests mean bit-identical tensors.
+
+    Recording the digest of a freshly initialised LM head lets the validator prove that the exported one
+    is not that initialisation (never trained, or replaced by a fresh init on save / load).
+    """
+    data = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()[:32]
+
+
+def initial_fingerprints(module: torch.nn.Module, names: tuple[str, ...]) -> dict[str, str]:
+    """Fingerprints of ``module``'s tensors ``names`` as they are now (call right after construction)."""
+    state = module.state_dict()
+    # Tensors built on the meta device (deferred FSDP init) have no values to fingerprint.
+    return {
+        name: tensor_fingerprint(state[name]) for name in names if name in state and not state[name].is_meta
+    }
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    mapping = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+    if name not in mapping:
+        raise ValueError(f"tensor dtype {name!r} is not one a draft export uses")
+    return mapping[name]
