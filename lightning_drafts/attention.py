@@ -3,8 +3,12 @@
 Three ways to keep packed documents apart, all derived from the per-token document ids of
 :class:`~lightning_drafts.batch.PackedBatch`:
 
-* ``sdpa`` (and ``eager``): a dense boolean block-causal mask ``[B, 1, T, T]`` (the CPU path);
-* ``flex``: a sparse flex-attention ``BlockMask`` built from a ``mask_mod`` (the GPU path);
+* ``sdpa`` (and ``eager``): a dense boolean block-causal mask ``[B, 1, T, T]`` (the CPU path); drafts
+  cut it into a :class:`~lightning_drafts.tiled_attention.TiledMask` so their attention skips the keys
+  no query sees (``eager`` keeps the plain dense math as a reference);
+* ``flex``: a sparse flex-attention ``BlockMask`` built from a ``mask_mod`` (the GPU path; mask creation
+  and the kernel are compiled once, lazily, on CUDA only: compiling costs seconds and CPU flex has no
+  backward, so the CPU keeps the eager functions);
 * ``flash``: FlashAttention varlen over the real tokens of the micro-batch flattened into one
   sequence (GPU with flash-attn installed; imported lazily, never at module import).
 
@@ -13,11 +17,15 @@ A requested kernel that is not available raises; nothing silently falls back.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_drafts.tiled_attention import TiledMask, tiled_attention
 
 BACKENDS = ("sdpa", "eager", "flex", "flash")
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -76,7 +84,11 @@ def block_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: 
     """A sparse flex ``BlockMask`` (built once per batch, shared by every layer and step)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+    # Eager creation evaluates the mask_mod densely over Q x KV; compiled, it never materialises it.
+    compiled = torch.device(device).type == "cuda"
+    return create_block_mask(
+        mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=compiled
+    )
 
 
 def dense_mask_from_mask_mod(
@@ -89,15 +101,19 @@ def dense_mask_from_mask_mod(
 
 
 def attention_with_lse(
-    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | object, scale: float
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | TiledMask | object, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Masked attention that also returns the fp32 log-sum-exp of the scores per query.
 
-    ``mask`` is a boolean ``[B, 1|H, Q, KV]`` tensor (computed densely, softmax in fp32) or a flex
-    ``BlockMask`` (GPU). Drafts that add extra key columns outside the mask (EAGLE-3's TTT diagonal)
-    merge them through the returned log-sum-exp. A query with no visible key returns zeros and
-    ``-inf``, never NaN.
+    ``mask`` is a boolean ``[B, 1|H, Q, KV]`` tensor (computed densely, softmax in fp32: the reference),
+    a :class:`~lightning_drafts.tiled_attention.TiledMask` (the fast CPU path) or a flex ``BlockMask``
+    (GPU). Drafts that add extra key columns outside the mask (EAGLE-3's TTT diagonal) merge them
+    through the returned log-sum-exp, so it carries gradients. A query with no visible key returns
+    zeros and ``-inf``, never NaN.
     """
+    if isinstance(mask, TiledMask):
+        out, lse = tiled_attention(query, key, value, mask, scale, with_lse=True)
+        return out, lse
     if isinstance(mask, Tensor):
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -105,10 +121,50 @@ def attention_with_lse(
         probs = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
         probs = probs.nan_to_num(0.0)
         return torch.matmul(probs.to(value.dtype), value), lse
+    return _flex_with_lse(flex_attention_for(query.device), query, key, value, mask, scale)
+
+
+def masked_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | TiledMask | object, scale: float
+) -> Tensor:
+    """:func:`attention_with_lse` without the log-sum-exp, for callers that merge nothing into it:
+    the tiled and flex paths then skip the work the log-sum-exp's gradient needs."""
+    if isinstance(mask, TiledMask):
+        return tiled_attention(query, key, value, mask, scale, with_lse=False)[0]
+    if isinstance(mask, Tensor):
+        return attention_with_lse(query, key, value, mask, scale)[0]
+    return flex_attention_for(query.device)(query, key, value, block_mask=mask, scale=scale)
+
+
+def flex_attention_for(device: torch.device) -> Callable[..., Any]:
+    """flex_attention compiled once per process on CUDA (eager flex is a slow reference there); the
+    eager function elsewhere."""
+    if device.type == "cuda":
+        return _compiled_flex_attention()
     from torch.nn.attention.flex_attention import flex_attention
 
-    out, lse = flex_attention(query, key, value, block_mask=mask, scale=scale, return_lse=True)
-    return out, lse.float()
+    return flex_attention
+
+
+def _flex_with_lse(
+    flex: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor, mask: object, scale: float
+) -> tuple[Tensor, Tensor]:
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9 only knows return_lse (deprecated since)
+        out, lse = flex(query, key, value, block_mask=mask, scale=scale, return_lse=True)
+        return out, lse.float()
+    out, aux = flex(query, key, value, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
+    return out, aux.lse.float()
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Shapes change every batch (block drafts: M * block_size queries); the default automatic-dynamic
+    # policy recompiles once with symbolic shapes instead of once per shape.
+    return torch.compile(flex_attention)
 
 
 def flash_varlen_attention(

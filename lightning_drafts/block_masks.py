@@ -20,8 +20,10 @@ gathers per query and no per-key document lookup. Every query sees at least its 
 row is fully masked and nothing NaNs.
 
 The predicate exists once, as a flex ``mask_mod``; :func:`dense_block_mask` evaluates the same
-predicate on broadcast index grids for SDPA on CPU. Build the mask once per batch and share it by
-every layer.
+predicate on broadcast index grids (the ``eager`` reference), and :func:`tiled_block_mask` evaluates it
+only over each query tile's own key ranges (the ``sdpa`` CPU path: a dense ``Q x KV`` mask of a packed
+micro-batch would make every block pay for every document's context). Build the mask once per batch
+and share it by every layer.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.anchors import flatten_anchors
-from lightning_drafts.attention import MaskMod, block_mask_from_mask_mod
+from lightning_drafts.attention import MaskMod, block_mask_from_mask_mod, resolve_backend
 from lightning_drafts.batch import PackedBatch
+from lightning_drafts.tiled_attention import TILE_QUERIES, TiledMask, assemble, visible_columns
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,59 @@ def dense_block_mask(layout: BlockLayout, sliding_window: int | None = None) -> 
     return block_mask_mod(layout, sliding_window)(zero, zero, q_idx, kv_idx)[None, None]
 
 
-def build_block_mask(layout: BlockLayout, backend: str, sliding_window: int | None = None) -> Tensor | object:
-    """The mask for ``backend``: a dense bool tensor for ``"sdpa"`` / ``"eager"``, a flex ``BlockMask``
-    for ``"flex"``. Build it once per batch; every draft layer reuses it."""
-    if backend in ("sdpa", "eager"):
+def tiled_block_mask(layout: BlockLayout, sliding_window: int | None = None) -> TiledMask:
+    """:func:`block_mask_mod` as a :class:`~lightning_drafts.tiled_attention.TiledMask`.
+
+    A tile holds whole consecutive blocks. Blocks are ordered row-major and anchors ascend inside a
+    row, so a tile's context candidates are the hull of its blocks' context ranges (about one document)
+    and its block keys are its own slots; the predicate is evaluated only on that grid.
+    """
+    size, context = layout.block_size, layout.num_context
+    per_tile = max(1, TILE_QUERIES // size)
+    device = layout.anchors.device
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    mask_mod = block_mask_mod(layout, sliding_window)
+    bounds = _tile_context_bounds(layout, per_tile)
+
+    def pieces():
+        for tile, (low, high) in enumerate(bounds):
+            first, last = tile * per_tile, min(layout.num_blocks, (tile + 1) * per_tile)
+            columns = torch.cat(
+                [
+                    torch.arange(low, high, device=device),
+                    torch.arange(context + first * size, context + last * size, device=device),
+                ]
+            )
+            queries = torch.arange(first * size, last * size, device=device)
+            visible = mask_mod(zero, zero, queries[:, None], columns[None, :])
+            yield first * size, *visible_columns(visible[None], columns[None])
+
+    return assemble(pieces(), 1, layout.q_len, layout.kv_len)
+
+
+def _tile_context_bounds(layout: BlockLayout, per_tile: int) -> list[tuple[int, int]]:
+    """Per tile of ``per_tile`` blocks, the hull ``[min context_start, max context_end)`` (one host sync)."""
+    blocks = layout.num_blocks
+    if blocks == 0:
+        return []
+    tiles = -(-blocks // per_tile)
+    pad = tiles * per_tile - blocks
+    starts = torch.nn.functional.pad(layout.context_start, (0, pad), value=layout.num_context)
+    ends = torch.nn.functional.pad(layout.context_end, (0, pad), value=0)
+    low = starts.view(tiles, per_tile).amin(1)
+    high = torch.maximum(ends.view(tiles, per_tile).amax(1), low)
+    return [tuple(pair) for pair in torch.stack([low, high], 1).tolist()]
+
+
+def build_block_mask(
+    layout: BlockLayout, backend: str, sliding_window: int | None = None
+) -> Tensor | TiledMask | object:
+    """The mask for ``backend``: a :class:`~lightning_drafts.tiled_attention.TiledMask` for ``"sdpa"``,
+    the dense bool tensor for ``"eager"`` (the reference math), a flex ``BlockMask`` for ``"flex"``.
+    Build it once per batch; every draft layer reuses it."""
+    if backend == "sdpa":
+        return tiled_block_mask(layout, sliding_window)
+    if backend == "eager":
         return dense_block_mask(layout, sliding_window)
     if backend == "flex":
         mask_mod = block_mask_mod(layout, sliding_window)
@@ -157,6 +209,19 @@ def build_block_mask(layout: BlockLayout, backend: str, sliding_window: int | No
     raise ValueError(
         f"block-draft attention backend {backend!r} is unknown; choose 'sdpa', 'eager' or 'flex'"
     )
+
+
+BLOCK_BACKENDS = ("auto", "sdpa", "eager", "flex")
+
+
+def resolve_block_backend(requested: str, device: torch.device | str) -> str:
+    """The block-draft mask form for ``device``: ``"auto"`` is a flex ``BlockMask`` where the target would
+    run flex or flash (CUDA), else the dense SDPA mask; an explicit choice is kept."""
+    if requested not in BLOCK_BACKENDS:
+        raise ValueError(f"draft_attn_backend {requested!r} is unknown; choose one of {BLOCK_BACKENDS}")
+    if requested == "auto":
+        return "flex" if resolve_backend("auto", device) in ("flex", "flash") else "sdpa"
+    return requested
 
 
 def _check_window(sliding_window: int | None) -> None:

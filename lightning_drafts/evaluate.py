@@ -47,6 +47,10 @@ from lightning_drafts.target import FrozenTarget, TargetSpec
 FAMILY_MODULES: dict[str, str] = {
     "LlamaForCausalLMEagle3": "lightning_drafts.eagle3.speculate",
     "LightningDraftsMLAEagle3": "lightning_drafts.eagle3.speculate",
+    "DFlashDraftModel": "lightning_drafts.dflash.speculate",
+    "DFlash2DraftModel": "lightning_drafts.dflash.speculate",
+    "DSparkDraftModel": "lightning_drafts.dspark.speculate",
+    "Qwen3DSparkModel": "lightning_drafts.dspark.speculate",
 }
 
 

@@ -67,18 +67,20 @@ def to_padded(
 
 
 def perturb(module: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> None:
-    """Move every draft weight off its initial value so identity-initialised parts get exercised."""
+    """Move every trainable draft weight off its initial value so identity-initialised parts get exercised
+    (frozen copies of target weights stay equal to the target's)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in module.draft.parameters():
-            param.add_(scale * torch.randn(param.shape, generator=gen))
+            if param.requires_grad:
+                param.add_(scale * torch.randn(param.shape, generator=gen))
 
 
 def run(module: DFlashModule, batch: dict, anchors: torch.Tensor, **kwargs):
     module.zero_grad()
     output = module.compute_loss(batch, anchors=anchors, **kwargs)
     output.loss.backward()
-    grads = {name: p.grad.clone() for name, p in module.draft.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in module.draft.named_parameters() if p.requires_grad}
     return output, grads
 
 

@@ -13,7 +13,9 @@ from tests.probe_draft import NextTokenProbe
 
 
 def batches(count: int = 4, distinct: bool = True) -> list[dict]:
-    return [stack_rows([packed_row(random_docs([5, 7], seed=i if distinct else 0), 16)]) for i in range(count)]
+    return [
+        stack_rows([packed_row(random_docs([5, 7], seed=i if distinct else 0), 16)]) for i in range(count)
+    ]
 
 
 def squeeze(batch: dict) -> dict:

@@ -21,7 +21,7 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-from lightning_drafts.attention import attention_with_lse
+from lightning_drafts.attention import masked_attention
 from lightning_drafts.dflash.conv import GroupedDynamicConv
 from lightning_drafts.dflash.path_selector import CandidateSelector
 
@@ -171,7 +171,7 @@ class DFlashAttention(nn.Module):
         value = value.transpose(0, 1)[None]
         groups = self.heads // self.kv_heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        out, _ = attention_with_lse(query, key, value, mask, scale=self.head_dim**-0.5)
+        out = masked_attention(query, key, value, mask, scale=self.head_dim**-0.5)
         return self.o_proj(out[0].transpose(0, 1).flatten(1))
 
 

@@ -18,10 +18,16 @@ from torch import Tensor
 
 from lightning_drafts.acceptance import acceptance_length, prefix_counts
 from lightning_drafts.anchors import check_anchors, documents_shorter_than, sample_anchors
-from lightning_drafts.attention import resolve_backend
 from lightning_drafts.base import DraftModule
 from lightning_drafts.batch import PackedBatch
-from lightning_drafts.block_masks import BlockLayout, block_layout, build_block_mask
+from lightning_drafts.block_masks import (
+    BLOCK_BACKENDS,
+    BlockLayout,
+    block_layout,
+    build_block_mask,
+    resolve_block_backend,
+)
+from lightning_drafts.chunked_terms import over_chunks
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft, default_target_layer_ids, draft_config
 from lightning_drafts.dflash.objective import (
     LOSS_EPS,
@@ -35,9 +41,10 @@ from lightning_drafts.dflash.objective import (
 )
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
 from lightning_drafts.target import TargetSpec
 
-DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
+DRAFT_BACKENDS = BLOCK_BACKENDS
 
 
 class DFlashModule(DraftModule):
@@ -91,13 +98,13 @@ class DFlashModule(DraftModule):
         base_kwargs.setdefault("learning_rate", 6e-4)
         base_kwargs.setdefault("warmup_ratio", 0.04)
         super().__init__(target=target, **base_kwargs)
-        _check_positive_int("num_draft_layers", num_draft_layers)
-        _check_positive_int("num_anchors", num_anchors)
+        check_positive_int("num_draft_layers", num_draft_layers)
+        check_positive_int("num_anchors", num_anchors)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(
                 f"block_size = {block_size!r} must be an int >= 2 (the anchor plus drafted slots)"
             )
-        self.mask_token_id = _check_mask_token_id(mask_token_id, self.target.vocab_size)
+        self.mask_token_id = check_mask_token_id(mask_token_id, self.target.vocab_size)
         if loss_decay_gamma is not None and not loss_decay_gamma > 0:
             raise ValueError(
                 f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform weights"
@@ -111,7 +118,7 @@ class DFlashModule(DraftModule):
         if not prefix_weight_base > 0:
             raise ValueError(f"prefix_weight_base = {prefix_weight_base!r} must be > 0")
         if logits_chunk_blocks is not None:
-            _check_positive_int("logits_chunk_blocks", logits_chunk_blocks)
+            check_positive_int("logits_chunk_blocks", logits_chunk_blocks)
         if draft_attn_backend not in DRAFT_BACKENDS:
             raise ValueError(
                 f"draft_attn_backend {draft_attn_backend!r} is unknown; choose one of {DRAFT_BACKENDS}"
@@ -200,9 +207,7 @@ class DFlashModule(DraftModule):
         )
 
     def _draft_backend(self, device: torch.device) -> str:
-        if self.draft_attn_backend == "auto":
-            return "flex" if resolve_backend("auto", device) in ("flex", "flash") else "sdpa"
-        return self.draft_attn_backend
+        return resolve_block_backend(self.draft_attn_backend, device)
 
     def _logits(self, hidden: Tensor) -> Tensor:
         head = self.target.lm_head
@@ -227,20 +232,7 @@ class DFlashModule(DraftModule):
     def _over_chunks(self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor) -> list[Tensor]:
         """Run ``terms`` on chunks of ``logits_chunk_blocks`` blocks: scalar outputs are summed, per-block
         outputs concatenated. Each chunk's logits are recomputed in backward instead of kept."""
-        blocks = per_block[0].shape[0]
-        size = self.logits_chunk_blocks or blocks
-        checkpointed = torch.is_grad_enabled() and blocks > size
-        results = []
-        for start in range(0, blocks, size):
-            chunk = [tensor[start : start + size] for tensor in per_block]
-            if checkpointed:
-                results.append(torch.utils.checkpoint.checkpoint(terms, *chunk, use_reentrant=False))
-            else:
-                results.append(terms(*chunk))
-        return [
-            torch.stack(parts).sum() if parts[0].dim() == 0 else torch.cat(parts)
-            for parts in zip(*results, strict=True)
-        ]
+        return over_chunks(terms, self.logits_chunk_blocks, *per_block)
 
     def _weights(self, targets: BlockTargets) -> Tensor:
         decay = decay_weights(targets.labels.shape[1], self.loss_decay_gamma, targets.labels.device)
@@ -326,7 +318,7 @@ class DFlash2Module(DFlashModule):
         self._conv = (conv_kernel_size, conv_group_size)
         self._selector_rank = selector_rank
         super().__init__(target=target, mask_token_id=mask_token_id, num_anchors=num_anchors, **dflash_kwargs)
-        _check_positive_int("selector_top_k", selector_top_k)
+        check_positive_int("selector_top_k", selector_top_k)
         if selector_top_k > self.target.vocab_size:
             raise ValueError(
                 f"selector_top_k = {selector_top_k} exceeds the vocabulary ({self.target.vocab_size} tokens)"
@@ -407,28 +399,6 @@ class DFlash2Module(DFlashModule):
 
 def _accept_len(correct: Tensor, valid: Tensor) -> Tensor:
     return acceptance_length(*prefix_counts(correct, valid))
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} = {value!r} must be a positive int")
-
-
-def _check_mask_token_id(mask_token_id: Any, vocab_size: int) -> int:
-    if mask_token_id is None:
-        raise ValueError(
-            "mask_token_id is required: pass a reserved, otherwise unused token id of the target vocabulary "
-            "(e.g. 151669 for Qwen3, 248070 for Qwen3.5+); never pad or eos"
-        )
-    if (
-        isinstance(mask_token_id, bool)
-        or not isinstance(mask_token_id, int)
-        or not 0 <= mask_token_id < vocab_size
-    ):
-        raise ValueError(
-            f"mask_token_id = {mask_token_id!r} is outside the target vocabulary [0, {vocab_size})"
-        )
-    return mask_token_id
 
 
 def _check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:

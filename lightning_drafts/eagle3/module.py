@@ -32,6 +32,7 @@ from lightning_drafts.eagle3.vocab_mapping import (
 )
 from lightning_drafts.export_check import initial_fingerprints
 from lightning_drafts.target import TargetSpec, default_capture_layers
+from lightning_drafts.tiled_attention import tile_dense_mask
 
 DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
 # Trained from a random init: an export holding them bit-identical to it cannot serve (export_check).
@@ -212,7 +213,9 @@ class Eagle3Base(DraftModule):
         return TeacherSignal(aux, logits, in_vocab)
 
     def draft_attention_mask(self, packed: PackedBatch) -> Any:
-        """Block 1's document-causal mask: a flex ``BlockMask`` or a dense bool ``[B, 1, T, T]``."""
+        """Block 1's document-causal mask, built once per batch and shared by every TTT step: a flex
+        ``BlockMask`` (``flex``), the dense bool ``[B, 1, T, T]`` (``eager``, the reference math) or its
+        query tiles (``sdpa``: attention then skips the keys of other documents and of the future)."""
         backend = self.hparams.draft_attn_backend
         if backend == "auto":
             backend = "flex" if packed.input_ids.device.type == "cuda" else "sdpa"
@@ -220,7 +223,8 @@ class Eagle3Base(DraftModule):
             batch, width = packed.shape
             mask_mod = document_causal_mask_mod(packed.doc_ids)
             return block_mask_from_mask_mod(mask_mod, batch, width, width, packed.input_ids.device)
-        return block_causal_mask(packed.doc_ids)
+        mask = block_causal_mask(packed.doc_ids)
+        return tile_dense_mask(mask) if backend == "sdpa" else mask
 
     # --- export ---------------------------------------------------------------------------------
 

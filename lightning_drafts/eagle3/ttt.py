@@ -178,24 +178,27 @@ def eagle3_objective(
     ``valid[:, k] = C_k`` (no ``t2d`` term), ``correct[:, k] = (draft argmax == teacher argmax) ∧ S_k``;
     ``valid_tokens = Σ_k Σ S_k``.
     """
-    batch, width = packed.shape
+    steps = len(states)
     trainer_loss_mask = shift_left(packed.loss_mask, 1)
     trainer_in_vocab = shift_left(teacher.in_draft_vocab, 1)
-    valid = torch.zeros(batch, width, len(states), dtype=torch.bool, device=packed.input_ids.device)
+    masks = [step_masks(trainer_loss_mask, trainer_in_vocab, packed.doc_remaining, k) for k in range(steps)]
+    valid = torch.stack([chain_valid for chain_valid, _ in masks], dim=-1)
     correct = torch.zeros_like(valid)
+    # Every supervised (step, row, slot) of the unroll in one nonzero: two host syncs per micro-batch
+    # (the nonzero and the per-step sizes) instead of one per step.
+    step, rows, slots = torch.stack([supervised for _, supervised in masks]).nonzero(as_tuple=True)
+    sizes = torch.bincount(step, minlength=steps).tolist()
+    per_step = zip(states, step_weights(steps, gamma), rows.split(sizes), slots.split(sizes), strict=True)
     # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
     # so every rank runs backward and DDP / FSDP never wait on a skipped step.
     loss = states[-1].float().sum() * 0.0
-    supervised_total = torch.zeros((), dtype=torch.long, device=valid.device)
-    for step, (state, weight) in enumerate(zip(states, step_weights(len(states), gamma), strict=True)):
-        chain_valid, supervised = step_masks(trainer_loss_mask, trainer_in_vocab, packed.doc_remaining, step)
-        rows, slots = supervised.nonzero(as_tuple=True)
-        student = compute_logits(state[rows, slots])
-        target = teacher.logits[rows, slots + 1 + step]
-        loss = loss + weight * soft_cross_entropy(student, target).sum() / max(1, rows.numel())
-        valid[..., step] = chain_valid
-        correct[rows, slots, step] = student.detach().argmax(-1) == target.argmax(-1)
-        supervised_total += rows.numel()
+    # One step at a time, so only one step's [rows, V_d] logits and teacher rows are alive outside autograd.
+    for k, (state, weight, step_rows, step_slots) in enumerate(per_step):
+        student = compute_logits(state[step_rows, step_slots])
+        target = teacher.logits[step_rows, step_slots + 1 + k]
+        loss = loss + weight * soft_cross_entropy(student, target).sum() / max(1, step_rows.numel())
+        correct[step_rows, step_slots, k] = student.detach().argmax(-1) == target.argmax(-1)
+    supervised_total = torch.tensor(sum(sizes), device=valid.device)
     chains = valid.any(-1).reshape(-1)
     correct = correct.reshape(-1, len(states))[chains]
     hits = correct.sum()

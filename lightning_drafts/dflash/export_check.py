@@ -1,0 +1,409 @@
+"""The DFlash / DFlash2 export validator: what vLLM's ``dflash`` method and SGLang read, checked as they read it.
+
+``validate_dflash_export`` runs before every ``lightning-drafts evaluate`` of a DFlash export. The export
+ships no embedding and no LM head (the draft reuses the target's), so what can go wrong is what ties the
+draft to its target and to the decode layout:
+
+* ``config.json``: the architecture; the shape fields the engine builds the draft from; RoPE
+  (``rope_theta``, consistent ``rope_parameters``, no leaked ``partial_rotary_factor``); ``is_causal:
+  false``; ``block_size`` at the top level (z-lab's reader) equal to ``dflash_config.block_size``
+  (published drafters); ``dflash_config.mask_token_id`` inside the vocabulary and not a token the target
+  emits as eos / pad / bos; ``dflash_config.target_layer_ids`` naming decoder-layer **outputs** (HF
+  ``hidden_states[id + 1]``) inside the target; the DFlash2 conv / selector sizes;
+* ``model.safetensors``: exactly the tensors of the draft that config describes, with its shapes; all
+  finite; no matrix constant (zeroed or never written); the DFlash2 parts that start at a known value
+  (identity conv kernels, zero kernel projections, zero successor codebook) moved off it; and not every
+  RMSNorm gain still exactly 1 (a draft that never trained).
+
+The layer-id convention is fixed by the format (every DFlash reader takes ``hidden_states[id + 1]``), so
+it is reported, not read from the export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import Qwen3Config
+
+from lightning_drafts.dflash.draft import FOREIGN_ROPE_FIELDS, DFlash2Draft, DFlashDraft
+from lightning_drafts.dflash.export import ARCHITECTURES, QWEN3_FIELDS
+from lightning_drafts.export_check import (
+    CONFIG_FILE,
+    DefectList,
+    ExportFiles,
+    ExportSummary,
+    architecture_of,
+    read_export,
+)
+from lightning_drafts.target import FrozenTarget
+
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+LAYER_ID_CONVENTION = "decoder-layer outputs, 0-based (HF hidden_states[id + 1])"
+# Without these an engine would build the draft from its own defaults, not from what was trained.
+REQUIRED_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+DFLASH2_SIZE_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DFlash2 tensors whose initialisation is a fixed value; still equal to it means never trained.
+ZERO_INITIALISED = ("kernel_projection.weight", "candidate_selector.successor_codebook")
+
+
+def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = None) -> ExportSummary:
+    """Check a DFlash / DFlash2 export; one ``ValueError`` lists every defect, each naming its field.
+
+    ``target`` adds the checks that need it: vocabulary, hidden size and layer count, and the mask token
+    against the target's special tokens.
+    """
+    files = read_export(directory)
+    config = files.config
+    architecture = architecture_of(config, files.directory)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"{files.directory / CONFIG_FILE}: architectures[0] = {architecture!r} is not a DFlash layout "
+            f"({sorted(ARCHITECTURES)})"
+        )
+    defects = DefectList(files.directory)
+    dflash_config = _dflash_config(config, defects)
+    _check_shape_fields(config, defects)
+    _check_attention_fields(config, defects)
+    _check_rope(config, defects)
+    block_size = _check_block_size(config, dflash_config, defects)
+    mask_token_id = _check_mask_token(config, dflash_config, defects, target)
+    layer_ids = _check_layer_ids(config, dflash_config, defects, target)
+    if architecture == DFLASH2_ARCHITECTURE:
+        _check_dflash2_sizes(config, dflash_config, block_size, defects)
+    _check_against_target(config, defects, target)
+    defects.raise_if_any()
+
+    _check_tensor_layout(files, architecture, defects)
+    defects.raise_if_any()
+    _check_trained_tensors(files, defects)
+    defects.raise_if_any()
+    return ExportSummary(
+        architecture=architecture,
+        target_layer_ids=tuple(layer_ids),
+        layer_id_convention=LAYER_ID_CONVENTION,
+        details={
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+            "vocab_size": config["vocab_size"],
+            "rope_theta": config["rope_theta"],
+            "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None,
+            **{name: dflash_config.get(name) for name in DFLASH2_SIZE_FIELDS if name in dflash_config},
+        },
+    )
+
+
+def qwen3_config_of(config: dict[str, Any]) -> Qwen3Config:
+    """The draft's Qwen3 config as a reader builds it from ``config.json`` (the fields it knows)."""
+    return Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config})
+
+
+def draft_from_serving_config(config: dict[str, Any]) -> DFlashDraft:
+    """The draft network ``config.json`` describes, with fresh weights (build under ``torch.device("meta")``
+    to get names and shapes only)."""
+    dflash_config = config["dflash_config"]
+    qwen3 = qwen3_config_of(config)
+    features = len(dflash_config["target_layer_ids"])
+    if config["architectures"][0] == DFLASH2_ARCHITECTURE:
+        return DFlash2Draft(
+            qwen3,
+            features,
+            dflash_config["conv_kernel_size"],
+            dflash_config["conv_group_size"],
+            dflash_config["selector_rank"],
+        )
+    return DFlashDraft(qwen3, features)
+
+
+# --- config checks ----------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _dflash_config(config: dict[str, Any], defects: DefectList) -> dict[str, Any]:
+    dflash_config = config.get("dflash_config")
+    if not isinstance(dflash_config, dict):
+        defects.add(
+            "dflash_config",
+            f"is {dflash_config!r}; write the dict of block_size, mask_token_id and target_layer_ids that "
+            "serving engines read (re-export the draft)",
+        )
+        return {}
+    return dflash_config
+
+
+def _check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
+    for name in REQUIRED_SHAPE_FIELDS:
+        if config.get(name) is None:
+            defects.add(
+                name, "missing from config.json; the engine builds the draft from it (re-export the draft)"
+            )
+    for name in REQUIRED_SHAPE_FIELDS:
+        value = config.get(name)
+        if (
+            name not in ("hidden_act", "rms_norm_eps")
+            and value is not None
+            and not (_is_int(value) and value > 0)
+        ):
+            defects.add(name, f"is {value!r}; it must be a positive int")
+
+
+def _check_attention_fields(config: dict[str, Any], defects: DefectList) -> None:
+    if config.get("model_type") != "qwen3":
+        defects.add(
+            "model_type",
+            f"is {config.get('model_type')!r}; DFlash drafts are Qwen3-style layers and readers dispatch on "
+            "model_type 'qwen3'",
+        )
+    if config.get("is_causal") is not False:
+        defects.add(
+            "is_causal",
+            f"is {config.get('is_causal')!r}; write false explicitly: the block attends both ways, and "
+            "readers default sliding layers to causal",
+        )
+    layer_types = config.get("layer_types")
+    layers = config.get("num_hidden_layers")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
+        defects.add("layer_types", f"is {layer_types!r}; write one entry per layer ({layers} layers)")
+    if config.get("use_sliding_window") and not (
+        _is_int(config.get("sliding_window")) and config["sliding_window"] > 0
+    ):
+        defects.add(
+            "sliding_window",
+            f"is {config.get('sliding_window')!r} while use_sliding_window is true; write the window length",
+        )
+
+
+def _check_rope(config: dict[str, Any], defects: DefectList) -> None:
+    theta = config.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        defects.add(
+            "rope_theta",
+            f"is {theta!r}; write the draft's positive RoPE base at the top level (readers written for "
+            "transformers 4 look for it there and default to 10000)",
+        )
+    parameters = config.get("rope_parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            defects.add("rope_parameters", f"is {parameters!r}; it must be a dict or absent")
+        elif parameters.get("rope_theta", theta) != theta:
+            defects.add(
+                "rope_parameters.rope_theta",
+                f"is {parameters.get('rope_theta')!r} but rope_theta is {theta!r}; readers pick one of the two",
+            )
+    for name in FOREIGN_ROPE_FIELDS:
+        leaked = [
+            where
+            for where, section in (("", config), ("rope_parameters.", parameters))
+            if isinstance(section, dict) and section.get(name) not in (None, 1.0)
+        ]
+        for where in leaked:
+            defects.add(
+                f"{where}{name}",
+                "is set; a Qwen3 reader would build a narrower / sectioned rotary table than the draft trained "
+                "with (drop the field)",
+            )
+
+
+def _check_block_size(config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList) -> int:
+    block_size = dflash_config.get("block_size")
+    if not (_is_int(block_size) and block_size >= 2):
+        defects.add(
+            "dflash_config.block_size",
+            f"is {block_size!r}; write the block size the draft trained with (an int >= 2: the anchor plus "
+            "the drafted slots)",
+        )
+        return 0
+    if config.get("block_size") != block_size:
+        defects.add(
+            "block_size",
+            f"is {config.get('block_size')!r} at the top level but dflash_config.block_size is {block_size}; "
+            "z-lab's reader takes the top level, published drafters the dflash_config: write both, equal",
+        )
+    return block_size
+
+
+def _check_mask_token(
+    config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList, target: FrozenTarget | None
+) -> int | None:
+    mask = dflash_config.get("mask_token_id")
+    vocab = target.vocab_size if target is not None else config.get("vocab_size")
+    if not _is_int(mask) or (_is_int(vocab) and not 0 <= mask < vocab):
+        defects.add(
+            "dflash_config.mask_token_id",
+            f"is {mask!r}; write the reserved token id the draft trained with, inside the vocabulary "
+            f"[0, {vocab})",
+        )
+        return None
+    if target is not None:
+        special = _special_tokens(target)
+        if mask in special:
+            defects.add(
+                "dflash_config.mask_token_id",
+                f"is {mask}, the target's {special[mask]} token; the mask must be a reserved id the target "
+                "never emits (e.g. 151669 for Qwen3), or drafted blocks read as real text",
+            )
+    return mask
+
+
+def _special_tokens(target: FrozenTarget) -> dict[int, str]:
+    special: dict[int, str] = {}
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        ids = getattr(target.text_config, name, None)
+        for token in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if _is_int(token):
+                special.setdefault(token, name.removesuffix("_token_id"))
+    return special
+
+
+def _check_layer_ids(
+    config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList, target: FrozenTarget | None
+) -> list[int]:
+    ids = dflash_config.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+        defects.add(
+            "dflash_config.target_layer_ids",
+            f"is {ids!r}; write the non-empty list of target decoder layers the draft's fc reads, in its "
+            "column order (outputs, HF hidden_states[id + 1])",
+        )
+        return []
+    recorded = config.get("num_target_layers")
+    layers = target.num_layers if target is not None else recorded
+    if target is not None and recorded is not None and recorded != target.num_layers:
+        defects.add(
+            "num_target_layers",
+            f"is {recorded} but the target has {target.num_layers} decoder layers; the draft was made for "
+            "another target",
+        )
+    if _is_int(layers) and any(i >= layers for i in ids):
+        defects.add(
+            "dflash_config.target_layer_ids",
+            f"{ids} names layers outside the target's {layers} decoder layers (valid outputs: "
+            f"0..{layers - 1}); ids are layer outputs, not HF hidden_states indices (no +1)",
+        )
+    return list(ids)
+
+
+def _check_dflash2_sizes(
+    config: dict[str, Any], dflash_config: dict[str, Any], block_size: int, defects: DefectList
+) -> None:
+    for name in DFLASH2_SIZE_FIELDS:
+        value = dflash_config.get(name)
+        if not (_is_int(value) and value >= 1):
+            defects.add(f"dflash_config.{name}", f"is {value!r}; DFlash2 needs it as a positive int")
+    kernel, group = dflash_config.get("conv_kernel_size"), dflash_config.get("conv_group_size")
+    hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
+    if _is_int(kernel) and block_size and kernel > block_size:
+        defects.add(
+            "dflash_config.conv_kernel_size",
+            f"is {kernel}, more than block_size {block_size}; taps past the block start read only zeros",
+        )
+    if _is_int(group) and group >= 1 and _is_int(hidden) and hidden % group:
+        defects.add("dflash_config.conv_group_size", f"is {group}; it must divide hidden_size {hidden}")
+    top_k = dflash_config.get("selector_top_k")
+    if _is_int(top_k) and _is_int(vocab) and top_k > vocab:
+        defects.add("dflash_config.selector_top_k", f"is {top_k}, more than the vocabulary ({vocab} tokens)")
+
+
+def _check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
+    if target is None:
+        return
+    # The draft embeds with the target's embedding and reads logits with its LM head.
+    expected = {"vocab_size": target.vocab_size, "hidden_size": target.text_config.hidden_size}
+    for name, value in expected.items():
+        if name in config and config[name] != value:
+            defects.add(
+                name,
+                f"is {config[name]} but the target has {value}; the draft reuses the target's embedding and "
+                "LM head, so it was made for another target",
+            )
+
+
+# --- tensor checks ----------------------------------------------------------------------------------
+
+
+def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectList) -> None:
+    try:
+        with torch.device("meta"):
+            expected = draft_from_serving_config(files.config).state_dict()
+    except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown hidden_act or rope_type
+        defects.add("config.json", f"does not describe a buildable {architecture} ({error})")
+        return
+    for name in sorted(set(expected) - set(files.shapes)):
+        defects.add(
+            name, "missing from model.safetensors; an engine would leave it at a random init (re-export)"
+        )
+    for name in sorted(set(files.shapes) - set(expected)):
+        defects.add(name, f"is not a tensor of the {architecture} layout; engines reject or ignore it")
+    for name in sorted(set(expected) & set(files.shapes)):
+        if tuple(expected[name].shape) != files.shapes[name]:
+            defects.add(
+                name,
+                f"has shape {files.shapes[name]} but config.json implies {tuple(expected[name].shape)}; the config "
+                "and the weights disagree",
+            )
+    dtypes = {dtype for dtype in files.dtypes.values() if dtype.is_floating_point}
+    declared = files.config.get("torch_dtype")
+    if len(dtypes) > 1:
+        defects.add("model.safetensors", f"mixes dtypes {sorted(map(str, dtypes))}; write one dtype")
+    elif declared is not None and dtypes and f"torch.{declared}" != str(next(iter(dtypes))):
+        defects.add(
+            "torch_dtype",
+            f"is {declared!r} but the weights are {next(iter(dtypes))}; engines cast by the config",
+        )
+
+
+def _check_trained_tensors(files: ExportFiles, defects: DefectList) -> None:
+    norms_at_init = []
+    for name, dtype in sorted(files.dtypes.items()):
+        if not dtype.is_floating_point:
+            continue
+        tensor = files.tensor(name)
+        if not bool(torch.isfinite(tensor).all()):
+            defects.add(name, "holds NaN or inf values")
+            continue
+        if name.endswith("norm.weight"):
+            norms_at_init.append(bool((tensor == 1).all()))
+        elif name.endswith(ZERO_INITIALISED) and not bool(tensor.any()):
+            defects.add(
+                name,
+                "is still all zeros, its initialisation: that DFlash2 part was never trained or not saved "
+                "(a selector_loss_weight of 0 leaves the selector untrained: serve such a draft as DFlash)",
+            )
+        elif name.endswith("base_kernel") and _is_identity_kernel(tensor):
+            defects.add(
+                name, "is still the identity kernel it starts from: the in-block conv was never trained"
+            )
+        elif tensor.dim() >= 2 and tensor.numel() and _is_constant(tensor):
+            defects.add(name, "is constant (e.g. all zeros): it was never trained or not saved")
+    if norms_at_init and all(norms_at_init):
+        defects.add(
+            "*norm.weight",
+            f"all {len(norms_at_init)} RMSNorm gains are still exactly 1.0, their initialisation: the draft was "
+            "never trained, or the export wrote fresh weights",
+        )
+
+
+def _is_constant(tensor: Tensor) -> bool:
+    return bool((tensor == tensor.reshape(-1)[0]).all())
+
+
+def _is_identity_kernel(kernel: Tensor) -> bool:
+    identity = torch.zeros_like(kernel)
+    identity[:, 0] = 1
+    return bool(torch.equal(kernel, identity))

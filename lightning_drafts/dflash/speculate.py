@@ -1,0 +1,200 @@
+"""DFlash / DFlash2 block drafting from an exported draft, as vLLM / SGLang run it (the evaluate plug-in).
+
+Everything about the draft comes from the export: the network from ``config.json`` + ``model.safetensors``
+(:func:`~lightning_drafts.dflash.export.load_exported_draft`), and ``block_size``, ``mask_token_id``,
+``target_layer_ids`` (decoder-layer outputs, fused in the listed order) and, for DFlash2,
+``selector_top_k`` from ``dflash_config``. The export ships no embedding and no LM head: like an engine,
+the speculator embeds with the target's embedding and reads logits with the target's LM head.
+
+One proposal from a verified prefix ``x_0 .. x_{L-1}`` (the last token, the previous round's bonus token,
+has no target features yet), in the training frame of dflash.md §1-2:
+
+* the block is ``[x_{L-1}, MASK, ..., MASK]`` (``block_size`` slots) at RoPE positions ``L-1 ..
+  L-2+block_size``; the anchor slot is the last verified token;
+* the context is the fused target features of ``x_0 .. x_{L-2}``, every one strictly before the anchor (the
+  training mask's ``kv < anchor``), narrowed to ``(L-1 + i) - kv < sliding_window`` for slot ``i`` when the
+  draft has a window; the block attends to itself both ways;
+* slot ``k >= 1`` drafts the token at ``L-1+k``. DFlash proposes each slot's argmax; DFlash2 proposes the
+  greedy path of its pairwise selector over each slot's top-``selector_top_k`` candidates, starting from the
+  anchor (the walk training logs as ``greedy_accept_len``).
+
+No KV cache: the context is re-encoded each round, which gives the keys an engine would have cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
+from lightning_drafts.dflash.export import load_exported_draft, read_serving_config
+from lightning_drafts.dflash.export_check import DFLASH2_ARCHITECTURE, validate_dflash_export
+from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
+from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix
+from lightning_drafts.target import FrozenTarget
+
+# Blocks per document in the training estimate: enough that every valid anchor of a served generation
+# is used, so the estimate does not depend on the anchor sampler's draw.
+ESTIMATE_ANCHORS = 512
+
+
+@dataclass(frozen=True)
+class DraftedBlock:
+    """One drafted block: the proposal (target ids ``[block_size - 1]``), the logits of the drafted slots
+    (``[block_size - 1, V]``, the target's LM head on the draft's final states) and those states."""
+
+    tokens: Tensor
+    logits: Tensor
+    hidden: Tensor
+
+
+class DFlashSpeculator:
+    """Greedy block drafting with a DFlash / DFlash2 draft: one block of ``block_size`` slots per round.
+
+    Args:
+        draft: the draft network (as loaded from the export).
+        config: the export's ``config.json``.
+        target: the frozen target whose embedding and LM head the draft reuses.
+        num_steps: tokens proposed per round (at most ``block_size - 1``; the block is drafted whole).
+    """
+
+    def __init__(
+        self, draft: DFlashDraft, config: dict[str, Any], target: FrozenTarget, num_steps: int
+    ) -> None:
+        dflash_config = config["dflash_config"]
+        self.block_size = int(dflash_config["block_size"])
+        if not 1 <= num_steps <= self.block_size - 1:
+            raise ValueError(
+                f"num_steps = {num_steps} must be in [1, block_size - 1 = {self.block_size - 1}]: a DFlash "
+                "draft proposes at most the masked slots of one block per round"
+            )
+        self.draft = draft
+        self.target = target
+        self.num_steps = num_steps
+        self.mask_token_id = int(dflash_config["mask_token_id"])
+        self.target_layer_ids = tuple(int(i) for i in dflash_config["target_layer_ids"])
+        self.sliding_window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        self.top_k = int(dflash_config["selector_top_k"]) if isinstance(draft, DFlash2Draft) else None
+
+    def propose(self, prefix: VerifiedPrefix) -> Tensor:
+        return self.draft_block(prefix).tokens[: self.num_steps]
+
+    @torch.no_grad()
+    def draft_block(self, prefix: VerifiedPrefix) -> DraftedBlock:
+        """The whole block drafted after ``prefix`` (its last token is the anchor)."""
+        device = self.draft.fc.weight.device
+        context = prefix.tokens.numel() - 1
+        features = torch.cat(prefix.hidden_states, dim=-1).to(device)
+        anchor = prefix.tokens[-1:].to(device)
+        block = torch.cat([anchor, anchor.new_full((self.block_size - 1,), self.mask_token_id)])
+        offsets = torch.arange(self.block_size, device=device)
+        hidden = self.draft(
+            features,
+            torch.arange(context, device=device),
+            self.target.input_embeddings(block.to(self.target.lm_head.weight.device)).to(device)[None],
+            (context + offsets)[None],
+            self._mask(context, device),
+        )[0, 1:]
+        logits = self._logits(hidden)
+        tokens = self._pick(hidden, logits, anchor)
+        return DraftedBlock(tokens.to(prefix.tokens.device), logits, hidden)
+
+    def _mask(self, context: int, device: torch.device) -> Tensor:
+        """``[1, 1, block_size, context + block_size]``: all earlier context (within the window), own block."""
+        slots = torch.arange(self.block_size, device=device)[:, None]
+        keys = torch.arange(context, device=device)[None]
+        visible = torch.ones(self.block_size, context, dtype=torch.bool, device=device)
+        if self.sliding_window is not None:
+            visible = (context + slots) - keys < self.sliding_window
+        own = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=device)
+        return torch.cat([visible, own], dim=1)[None, None]
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        head = self.target.lm_head
+        return nn.functional.linear(hidden.to(head.weight.device, head.weight.dtype), head.weight, head.bias)
+
+    def _pick(self, hidden: Tensor, logits: Tensor, anchor: Tensor) -> Tensor:
+        if self.top_k is None:
+            return logits.argmax(-1)
+        # The selector's walk: slot k re-ranks its top-K given the pick at slot k - 1 (the anchor for k = 1).
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        selector = self.draft.candidate_selector
+        return selector.greedy_walk(
+            hidden[None], unary[None].to(hidden.device), candidates[None].to(hidden.device), anchor
+        )[0]
+
+
+def load_speculator(directory: Path, target: FrozenTarget, num_steps: int) -> DFlashSpeculator:
+    """The speculator of an (already validated) export, on the target's device."""
+    draft, config = load_exported_draft(directory)
+    draft.to(target.lm_head.weight.device).eval().requires_grad_(False)
+    return DFlashSpeculator(draft, config, target, num_steps)
+
+
+def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) -> DFlashModule:
+    """The module the export came from, sharing ``target``'s model, with the exported weights.
+
+    Its chains cover the whole block (training's tau_sim); with ``num_steps < block_size - 1`` the chains
+    are cut to the positions a round proposes, over the same blocks.
+    """
+    config = read_serving_config(directory)
+    module_class, extra = _module_arguments(config)
+    dflash_config = config["dflash_config"]
+    module = module_class(
+        target.model,
+        mask_token_id=dflash_config["mask_token_id"],
+        target_layer_ids=dflash_config["target_layer_ids"],
+        num_draft_layers=config["num_hidden_layers"],
+        block_size=dflash_config["block_size"],
+        num_anchors=ESTIMATE_ANCHORS,
+        sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
+        draft_overrides={
+            name: config[name]
+            for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+        },
+        target_attn_backend=target.requested_backend,
+        **extra,
+    )
+    module.load_exported(directory)
+    if num_steps < int(dflash_config["block_size"]) - 1:
+        _cut_chains(module, num_steps)
+    return module
+
+
+def _module_arguments(config: dict[str, Any]) -> tuple[type[DFlashModule], dict[str, Any]]:
+    if config["architectures"][0] != DFLASH2_ARCHITECTURE:
+        return DFlashModule, {}
+    dflash_config = config["dflash_config"]
+    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    return DFlash2Module, {name: dflash_config[name] for name in names}
+
+
+def _cut_chains(module: DFlashModule, num_steps: int) -> None:
+    """Make ``module.compute_loss`` report only the first ``num_steps`` positions of every chain."""
+    full = module.compute_loss
+
+    def compute_loss(*args: Any, **kwargs: Any) -> DraftOutput:
+        output = full(*args, **kwargs)
+        correct, valid = output.correct[:, :num_steps], output.valid[:, :num_steps]
+        return DraftOutput(loss=output.loss, correct=correct, valid=valid, metrics=output.metrics)
+
+    module.compute_loss = compute_loss  # type: ignore[method-assign]
+
+
+def default_num_steps(config: dict[str, Any]) -> int:
+    """Every masked slot of a block: ``block_size - 1`` (vLLM's ``num_speculative_tokens``)."""
+    return int(config["dflash_config"]["block_size"]) - 1
+
+
+SERVED_FAMILY = ServedFamily(
+    name="DFlash",
+    validate=validate_dflash_export,
+    load_speculator=load_speculator,
+    load_training_module=load_training_module,
+    default_num_steps=default_num_steps,
+)

@@ -1,0 +1,6 @@
+"""DSpark: the DFlash block drafter with a Markov head and a confidence head (dspark.md)."""
+
+from lightning_drafts.dspark.export import export_draft, load_exported_draft
+from lightning_drafts.dspark.module import DSparkModule
+
+__all__ = ["DSparkModule", "export_draft", "load_exported_draft"]

@@ -1,0 +1,94 @@
+"""The DSpark draft network (dspark.md §4): the DFlash backbone plus its own embedding / LM head copies,
+the Markov head and the confidence head.
+
+The backbone is DFlash's, unchanged and imported (``fc`` + ``hidden_norm`` over the concatenated target
+features, computed once and shared by every layer; Qwen3 layers whose keys and values span
+``[context ; block]``; final ``norm``; fp32 RoPE tables). DSpark differs from DFlash only in owning
+frozen copies of the target's embedding and LM head (NeMo's checkpoint layout holds them) and in the
+two heads on top. State-dict keys have no prefix and match NeMo's ``Qwen3DSparkModel``:
+``embed_tokens.weight``, ``layers.N.*``, ``norm.weight``, ``fc.weight``, ``hidden_norm.weight``,
+``lm_head.weight``, ``markov_head.*``, ``confidence_head.proj.*``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.nn.utils import skip_init
+from transformers import Qwen3Config
+
+from lightning_drafts.dflash.draft import DFlashDraft
+from lightning_drafts.dspark.confidence_head import ConfidenceHead
+from lightning_drafts.dspark.markov_head import MarkovHead
+
+
+class DSparkDraft(DFlashDraft):
+    """The DSpark draft.
+
+    Args:
+        config: the draft's Qwen3 config (:func:`lightning_drafts.dflash.draft.draft_config`).
+        num_target_features: ``len(target_layer_ids)``.
+        markov_rank: rank r of the Markov head; 0 = no head (DFlash-like logits).
+        markov_head_type: ``"vanilla"``, ``"gated"`` or ``"rnn"``.
+        confidence_head: build the confidence head.
+        confidence_head_with_markov: feed the Markov latent of the previous token to the confidence
+            head besides the slot's hidden state (needs ``markov_rank > 0``).
+    """
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        num_target_features: int,
+        markov_rank: int = 256,
+        markov_head_type: str = "vanilla",
+        confidence_head: bool = True,
+        confidence_head_with_markov: bool = True,
+    ) -> None:
+        super().__init__(config, num_target_features)
+        vocab, hidden, std = config.vocab_size, config.hidden_size, config.initializer_range
+        if confidence_head and confidence_head_with_markov and markov_rank == 0:
+            raise ValueError(
+                "confidence_head_with_markov=True needs a Markov head, but markov_rank = 0; set markov_rank > 0 "
+                "or confidence_head_with_markov=False"
+            )
+        # Filled by copy_target_weights (or an export reload), so never randomly initialised: at a real
+        # vocabulary that would cost seconds and draw RNG for nothing.
+        self.embed_tokens = skip_init(nn.Embedding, vocab, hidden)
+        self.lm_head = skip_init(nn.Linear, hidden, vocab, bias=False)
+        self.markov_head = (
+            MarkovHead(vocab, hidden, markov_rank, markov_head_type, std) if markov_rank else None
+        )
+        with_markov = confidence_head_with_markov and self.markov_head is not None
+        self.confidence_head = (
+            ConfidenceHead(hidden + (markov_rank if with_markov else 0), std) if confidence_head else None
+        )
+        self.confidence_with_markov = with_markov
+
+    def copy_target_weights(self, embedding: Tensor, lm_head: Tensor, freeze: bool = True) -> None:
+        """Copy the target's input embedding and LM head (``[V, H]`` each); ``freeze`` keeps them fixed."""
+        for name, module, weight in (
+            ("input embedding", self.embed_tokens, embedding),
+            ("LM head", self.lm_head, lm_head),
+        ):
+            if tuple(weight.shape) != tuple(module.weight.shape):
+                raise ValueError(
+                    f"the target's {name} is {tuple(weight.shape)} but the draft expects "
+                    f"{tuple(module.weight.shape)} (vocab_size, hidden_size); build the draft from this target"
+                )
+            module.weight.data.copy_(weight.detach())
+            module.weight.requires_grad_(not freeze)
+
+    def heads(self, hidden: Tensor, previous: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Markov-corrected logits ``[M, K, V]`` (model dtype) and fp32 confidence logits ``[M, K]`` (or None).
+
+        ``hidden [M, K, H]``: post-norm slot states; ``previous [M, K]``: the token before each slot's
+        target (teacher-forced: the anchor for slot 0, the gold token at ``anchor + k`` for slot k).
+        """
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        embedded = None
+        if self.markov_head is not None:
+            embedded = self.markov_head.embed(previous)
+            logits = logits + self.markov_head(embedded, hidden).to(logits.dtype)
+        confidence = None
+        if self.confidence_head is not None:
+            confidence = self.confidence_head(hidden, embedded if self.confidence_with_markov else None)
+        return logits, confidence

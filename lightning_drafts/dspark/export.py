@@ -1,0 +1,216 @@
+"""DSpark exports: NeMo's self-contained ``Qwen3DSparkModel`` layout and the SpecForge / SGLang
+``DSparkDraftModel`` serving layout (dspark.md §13). Both are a directory with ``config.json`` and
+``model.safetensors``; both reload into :class:`~lightning_drafts.dspark.module.DSparkModule`.
+
+Weights (no ``model.`` prefix; ``rotary_emb.inv_freq`` is never saved, readers rebuild it in fp32), with
+V = vocabulary, H = hidden size, F = ``len(target_layer_ids)``, r = ``markov_rank``:
+
+* both layouts: ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.self_attn.{q,k}_norm.weight``
+  ``[head_dim]``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
+  ``layers.N.{input,post_attention}_layernorm.weight`` ``[H]`` (Qwen3 shapes); ``norm.weight`` ``[H]``;
+  ``fc.weight`` ``[H, F * H]``; ``hidden_norm.weight`` ``[H]``; ``markov_head.markov_w1.weight``
+  ``[V, r]``; ``markov_head.markov_w2.weight`` ``[V, r]`` (a Linear r -> V);
+  ``confidence_head.proj.weight`` ``[1, H (+ r with confidence_head_with_markov)]``,
+  ``confidence_head.proj.bias`` ``[1]``;
+* ``nemo`` only: ``embed_tokens.weight`` and ``lm_head.weight`` ``[V, H]`` (the frozen copies of the
+  target's), and the gated / rnn Markov extras ``markov_head.gate_proj.{weight,bias}`` /
+  ``markov_head.joint_proj.{weight,bias}``. SpecForge's server reuses the target's embedding and head.
+
+``config.json``, both layouts: the draft's Qwen3 fields (``vocab_size``, ``hidden_size``,
+``intermediate_size``, ``num_hidden_layers`` = draft layers, ``num_attention_heads``,
+``num_key_value_heads``, ``head_dim``, ``hidden_act``, ``max_position_embeddings``,
+``initializer_range``, ``rms_norm_eps``, ``rope_parameters`` + top-level ``rope_theta`` (+ ``rope_scaling``
+when not default) for transformers-4 readers, ``attention_bias`` false, ``tie_word_embeddings`` false,
+``layer_types`` all ``full_attention``, ``sliding_window`` null, ``use_sliding_window`` false,
+``max_window_layers``), ``model_type`` ``"qwen3"``, ``num_target_layers`` (L of the target),
+``block_size`` (K), ``torch_dtype``, and ``lightning_drafts`` (the training hyperparameters that are not
+architecture: num_anchors, loss weights, decay, layout).
+
+* ``nemo``: ``architectures`` ``["Qwen3DSparkModel"]``; top level ``target_layer_ids`` (NeMo's -1 /
+  L - 1 convention), ``num_anchors``, ``mask_token_id``, ``markov_rank``, ``markov_head_type``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``.
+* ``specforge``: ``architectures`` ``["DSparkDraftModel"]``, ``auto_map`` ``{"AutoModel":
+  "dspark.DSparkDraftModel"}``, ``is_causal`` false; ``dflash_config`` = ``{attention_mode: "gqa",
+  mask_token_id, target_layer_ids, projector_type: "dspark", markov_rank, markov_head_type,
+  confidence_head_alpha, enable_confidence_head, confidence_head_with_markov}``; the Markov /
+  confidence fields are repeated at the top level, where SpecForge's ``DSparkConfig`` reads them.
+  SpecForge implements only the vanilla Markov head, and the server reuses the target's embedding and
+  LM head, so a gated / rnn head or unfrozen embeddings are refused (export ``layout="nemo"`` instead);
+  standard SGLang captures features only for ids in ``[0, L - 2]`` (a warning at training time).
+
+The serving flags (e.g. SGLang ``--speculative-algorithm DSPARK``) and engine-side readers were not
+run here; the layout follows dspark.md §13 and SpecForge's ``DSparkDraftModel`` source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from lightning_drafts.dflash.export import QWEN3_FIELDS
+from lightning_drafts.dspark.draft import DSparkDraft
+
+if TYPE_CHECKING:
+    from lightning_drafts.dspark.module import DSparkModule
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+LAYOUTS = {"nemo": "Qwen3DSparkModel", "specforge": "DSparkDraftModel"}
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of ``module``'s draft in ``layout`` (see the module docstring)."""
+    config = {key: value for key, value in module.draft.config.to_dict().items() if key in QWEN3_FIELDS}
+    rope = config["rope_parameters"]
+    config["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = rope
+    fields = module.dspark_config()
+    config.update(
+        architectures=[LAYOUTS[layout]],
+        model_type="qwen3",
+        num_target_layers=module.target.num_layers,
+        block_size=fields["block_size"],
+        torch_dtype=str(dtype).removeprefix("torch."),
+        **{name: fields[name] for name in HEAD_FIELDS},
+    )
+    if layout == "nemo":
+        config.update(
+            target_layer_ids=fields["target_layer_ids"],
+            num_anchors=module.num_anchors,
+            mask_token_id=fields["mask_token_id"],
+        )
+    else:
+        config.update(
+            auto_map={"AutoModel": "dspark.DSparkDraftModel"},
+            is_causal=False,
+            dflash_config={
+                "attention_mode": "gqa",
+                "mask_token_id": fields["mask_token_id"],
+                "target_layer_ids": fields["target_layer_ids"],
+                "projector_type": "dspark",
+                "confidence_head_alpha": module.loss_weights.conf,
+                **{name: fields[name] for name in HEAD_FIELDS},
+            },
+        )
+    config["lightning_drafts"] = {
+        "layout": layout,
+        "num_anchors": module.num_anchors,
+        "ce_loss_alpha": module.loss_weights.ce,
+        "l1_loss_alpha": module.loss_weights.tv,
+        "confidence_head_alpha": module.loss_weights.conf,
+        "loss_decay_gamma": module.loss_decay_gamma,
+    }
+    return config
+
+
+def export_draft(
+    module: DSparkModule, output_dir: Path, layout: str = "specforge", dtype: torch.dtype | None = None
+) -> Path:
+    """Write ``module``'s draft to ``output_dir`` in ``layout`` and check that it reads back complete."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"export layout {layout!r} is unknown; choose one of {sorted(LAYOUTS)}")
+    state = module.draft.state_dict()
+    if layout == "specforge":
+        _check_servable(module)
+        state = {key: value for key, value in state.items() if key not in TARGET_COPIES}
+    dtype = dtype or module.draft.fc.weight.dtype
+    tensors = {key: value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(output_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (output_dir / CONFIG_FILE).write_text(json.dumps(serving_config(module, layout, dtype), indent=2) + "\n")
+    with safe_open(str(output_dir / WEIGHTS_FILE), framework="pt") as written:
+        missing = sorted(set(tensors) - set(written.keys()))
+    if missing:
+        raise ValueError(f"the export to {output_dir} lost weights {missing[:5]}; check free disk space")
+    return output_dir
+
+
+def _check_servable(module: DSparkModule) -> None:
+    head = module.draft.markov_head
+    if head is not None and head.head_type != "vanilla":
+        raise ValueError(
+            f"SpecForge's DSparkDraftModel implements only the vanilla Markov head, this draft has a "
+            f"{head.head_type!r} one; export layout='nemo'"
+        )
+    trained = [key for key in TARGET_COPIES if module.draft.get_parameter(key).requires_grad]
+    if trained:
+        raise ValueError(
+            f"the SpecForge layout has no {trained}: the server reuses the target's, but this draft trained its "
+            "own copies (freeze_embeddings=False); export layout='nemo'"
+        )
+
+
+def read_export_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """``config.json`` of a DSpark export, its layout, and its DSpark fields in one form."""
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{path} is not a DSpark export: {CONFIG_FILE} is missing")
+    config = json.loads(config_path.read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    layouts = {name: layout for layout, name in LAYOUTS.items()}
+    if architecture not in layouts:
+        raise ValueError(
+            f"{config_path} declares architectures {config.get('architectures')}; a DSpark export declares one "
+            f"of {sorted(layouts)}"
+        )
+    layout = layouts[architecture]
+    nested = config if layout == "nemo" else config.get("dflash_config", {})
+    fields = {"block_size": config["block_size"]}
+    fields.update({name: nested[name] for name in ("mask_token_id", "target_layer_ids")})
+    fields.update({name: config[name] for name in HEAD_FIELDS})
+    return config, layout, fields
+
+
+def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
+    """Rebuild the draft network of a ``nemo``-layout export (weights loaded strictly) with its config.
+
+    A SpecForge-layout export has no embedding / LM head; load it with ``DSparkModule.load_exported``,
+    whose module holds the target's.
+    """
+    path = Path(path)
+    config, layout, fields = read_export_config(path)
+    if layout != "nemo":
+        raise ValueError(
+            f"{path} is a SpecForge-layout export without the embedding / LM head; build a DSparkModule on its "
+            "target and call load_exported(path)"
+        )
+    draft = DSparkDraft(
+        Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config}),
+        len(fields["target_layer_ids"]),
+        markov_rank=fields["markov_rank"],
+        markov_head_type=fields["markov_head_type"],
+        confidence_head=fields["enable_confidence_head"],
+        confidence_head_with_markov=fields["confidence_head_with_markov"],
+    )
+    state = load_file(str(path / WEIGHTS_FILE))
+    draft.to(next(iter(state.values())).dtype).load_state_dict(state, strict=True)
+    return draft, config
+
+
+def load_into_module(module: DSparkModule, path: Path) -> None:
+    """Load an export's weights into ``module``'s draft after checking it was made for this setup."""
+    _, layout, fields = read_export_config(path)
+    if fields != module.dspark_config():
+        raise ValueError(
+            f"{path} holds a DSpark draft with {fields}, but this module has {module.dspark_config()}; build the "
+            "module with matching block_size, mask_token_id, target_layer_ids and Markov / confidence heads"
+        )
+    state = load_file(str(path / WEIGHTS_FILE))
+    reference = module.draft.state_dict()
+    # The SpecForge layout leaves the embedding / LM head out: the module's copies of the target's stay.
+    expected = set(reference) - (set(TARGET_COPIES) if layout == "specforge" else set())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(reference))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} does not fit this draft: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)

@@ -1,0 +1,82 @@
+"""The DSpark Markov head: a low-rank bigram logit bias from the previous token (dspark.md §5).
+
+The block drafter predicts every slot of a block in one parallel pass, so slot k cannot see what was
+drafted at slot k - 1 ("suffix decay"). The Markov head re-introduces that dependency cheaply: a
+token-id lookup ``e = W1[prev]`` (rank r) projected back to the vocabulary, ``bias = W2 e``, added to
+the backbone's logits. It is position-agnostic (ids only), so packing needs nothing from it.
+
+Types: ``vanilla`` (the rank-r bigram table, the default), ``gated`` (a sigmoid gate from the slot's
+hidden state and ``e`` scales ``e``) and ``rnn`` (a gated recurrent state over the block's slots).
+Training is teacher-forced: ``prev`` of slot k is the gold token at ``anchor + k``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+class MarkovHead(nn.Module):
+    """Previous-token logit bias. Parameter names follow NeMo / SpecForge checkpoints (``markov_w1``,
+    ``markov_w2``, ``gate_proj``, ``joint_proj``).
+
+    Args:
+        vocab_size: V, rows of ``markov_w1`` and outputs of ``markov_w2``.
+        hidden_size: H, the backbone width (the gated / rnn heads read the slot's hidden state).
+        rank: r >= 1.
+        head_type: ``"vanilla"``, ``"gated"`` or ``"rnn"``.
+        init_std: std of the normal initialisation (biases start at 0), the HF ``initializer_range``.
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, rank: int, head_type: str = "vanilla", init_std: float = 0.02
+    ) -> None:
+        super().__init__()
+        if head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type {head_type!r} is unknown; choose one of {MARKOV_HEAD_TYPES}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"markov rank = {rank!r} must be a positive int (use markov_rank=0 for no head)")
+        self.head_type, self.rank = head_type, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if head_type == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=init_std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def embed(self, previous: Tensor) -> Tensor:
+        """``[..., r]`` latent of each previous token (also the confidence head's Markov feature)."""
+        return self.markov_w1(previous.long())
+
+    def forward(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        """The ``[M, K, V]`` logit bias of every slot from ``embedded [M, K, r]`` (see :meth:`embed`) and
+        the post-norm slot states ``hidden [M, K, H]``."""
+        embedded = embedded.to(self.markov_w2.weight.dtype)
+        if self.head_type == "vanilla":
+            return self.markov_w2(embedded)
+        hidden = hidden.to(embedded.dtype)
+        if self.head_type == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1)))
+            return self.markov_w2(gate * embedded)
+        return self.markov_w2(self._recurrent_latents(embedded, hidden))
+
+    def _recurrent_latents(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        # The state starts at zero in every block and runs over its K slots; the bias of slot k is read
+        # from the state before slot k's update, as in NeMo's training unroll.
+        state = embedded.new_zeros(embedded.shape[0], self.rank)
+        latents = []
+        for k in range(embedded.shape[1]):
+            gate, candidate, out = self.joint_proj(
+                torch.cat([state, embedded[:, k], hidden[:, k]], dim=-1)
+            ).chunk(3, dim=-1)
+            gate = torch.sigmoid(gate)
+            state = gate * state + (1 - gate) * torch.tanh(candidate)
+            latents.append(torch.tanh(out))
+        return torch.stack(latents, dim=1)

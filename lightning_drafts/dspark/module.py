@@ -1,0 +1,367 @@
+"""DSparkModule: DSpark draft training (dspark.md) with exact sequence packing.
+
+One micro-batch: the frozen target captures ``target_layer_ids`` and its final-norm states over every
+row (documents isolated) -> anchors (per document; the anchor and the next token supervised and in one
+document) -> all blocks of the micro-batch laid out back to back over the real tokens with the shared
+document-aware block mask -> the DFlash backbone fills each block (slot 0 = anchor token, the rest
+``mask_token_id``) -> Markov-corrected logits and confidence logits -> block supervision truncated at
+the document end -> the three-term loss. Packed and padded batches take the same path and, given the
+same anchors, give the same loss, gradients and statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_drafts.anchors import check_anchors, sample_anchors
+from lightning_drafts.base import DraftModule
+from lightning_drafts.batch import PackedBatch
+from lightning_drafts.block_masks import (
+    BLOCK_BACKENDS,
+    BlockLayout,
+    block_layout,
+    build_block_mask,
+    resolve_block_backend,
+)
+from lightning_drafts.chunked_terms import over_chunks
+from lightning_drafts.dflash.draft import draft_config
+from lightning_drafts.dspark.context_features import (
+    capture_context_features,
+    check_target_layer_ids,
+    default_target_layer_ids,
+)
+from lightning_drafts.dspark.draft import DSparkDraft
+from lightning_drafts.dspark.eval_mask import BlockSupervision, block_supervision
+from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
+from lightning_drafts.dspark.metrics import (
+    DSparkOutput,
+    RatioSum,
+    Sums,
+    acceptance_sums,
+    confidence_sums,
+    ratio,
+)
+from lightning_drafts.dspark.objective import (
+    LOSS_EPS,
+    LossWeights,
+    acceptance_probability,
+    combine_terms,
+    confidence_bce,
+    decay_weights,
+    distribution_terms,
+)
+from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.target import TargetSpec
+
+LOSS_TERMS = ("ce_loss", "tv_loss", "confidence_loss")
+
+
+class DSparkModule(DraftModule):
+    """DSpark (dspark.md): a DFlash-style block drafter whose slot k predicts the token at ``anchor + k + 1``,
+    plus a Markov head (low-rank bigram bias from the previous token) and a confidence head.
+
+    Args:
+        target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.
+        mask_token_id: the reserved id of slots 1..K-1 (required; never pad / eos; the same id at serving).
+        target_layer_ids: strictly increasing feature ids in ``[-1, L - 1]`` (-1 = embedding output,
+            L - 1 = final-norm output, else decoder-layer outputs); default NeMo's spread
+            ``round(1 + i (L - 2) / (n - 1))`` over ``num_draft_layers`` ids.
+        num_draft_layers: draft decoder layers (NeMo's ``draft_num_hidden_layers``, 5).
+        block_size: K slots per block = K proposals per block (7).
+        num_anchors: blocks per **document** and micro-batch (512; fewer when a document has fewer anchors).
+        markov_rank: rank of the Markov head (256); 0 = none.
+        markov_head_type: ``"vanilla"`` (default), ``"gated"`` or ``"rnn"``.
+        confidence_head_alpha: confidence loss weight (1.0); > 0 builds the confidence head.
+        confidence_head_with_markov: the confidence head also reads the Markov latent (True).
+        ce_loss_alpha, l1_loss_alpha: weights of the ``ce`` and ``tv`` terms (0.1, 0.9).
+        loss_decay_gamma: slot weight ``exp(-k / gamma)`` (0-based k); 4.0 as the shipped recipe; None =
+            uniform (NeMo's bare code default).
+        freeze_embeddings: keep the draft's embedding / LM head copies frozen (True).
+        draft_attn_backend: ``"auto"`` (flex on CUDA, else SDPA), ``"sdpa"``, ``"eager"`` or ``"flex"``.
+        draft_overrides: optional draft ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` /
+            ``intermediate_size``.
+        draft_seed: seed of the draft's initial weights.
+        logits_chunk_blocks: blocks whose ``[blocks, K, V]`` logits exist at once (recomputed in
+            backward); None = one piece.
+        **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments. Learning rate 6e-4 by default.
+
+    ``compute_loss`` returns a :class:`~lightning_drafts.dspark.metrics.DSparkOutput`: ``correct`` /
+    ``valid`` ``[M, K]`` (argmax of the Markov-corrected logits with teacher-forced previous tokens ==
+    gold; the eval mask), metrics ``accept_rate_k{k}``, ``accept_rate``, ``tau``, the confidence
+    calibration, ``ce_loss`` / ``tv_loss`` / ``confidence_loss`` and ``blocks``.
+    """
+
+    architecture = "DSparkDraftModel"  # the default (serving) export; layout="nemo" writes Qwen3DSparkModel
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        mask_token_id: int | None = None,
+        target_layer_ids: Sequence[int] | None = None,
+        num_draft_layers: int = 5,
+        block_size: int = 7,
+        num_anchors: int = 512,
+        markov_rank: int = 256,
+        markov_head_type: str = "vanilla",
+        confidence_head_alpha: float = 1.0,
+        confidence_head_with_markov: bool = True,
+        ce_loss_alpha: float = 0.1,
+        l1_loss_alpha: float = 0.9,
+        loss_decay_gamma: float | None = 4.0,
+        freeze_embeddings: bool = True,
+        draft_attn_backend: str = "auto",
+        draft_overrides: dict[str, int] | None = None,
+        draft_seed: int = 0,
+        logits_chunk_blocks: int | None = 128,
+        **base_kwargs: Any,
+    ) -> None:
+        # Cheap checks first: a real target takes minutes to load.
+        _check_hyperparameters(
+            num_draft_layers=num_draft_layers,
+            block_size=block_size,
+            num_anchors=num_anchors,
+            markov_rank=markov_rank,
+            markov_head_type=markov_head_type,
+            confidence_head_alpha=confidence_head_alpha,
+            confidence_head_with_markov=confidence_head_with_markov,
+            ce_loss_alpha=ce_loss_alpha,
+            l1_loss_alpha=l1_loss_alpha,
+            loss_decay_gamma=loss_decay_gamma,
+            draft_attn_backend=draft_attn_backend,
+            logits_chunk_blocks=logits_chunk_blocks,
+        )
+        base_kwargs.setdefault("learning_rate", 6e-4)
+        super().__init__(target=target, **base_kwargs)
+        self.mask_token_id = check_mask_token_id(mask_token_id, self.target.vocab_size)
+        num_layers = self.target.num_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_layers, num_draft_layers)
+        self.target_layer_ids = check_target_layer_ids(target_layer_ids, num_layers)
+        self.block_size = block_size
+        self.num_anchors = num_anchors
+        self.loss_weights = LossWeights(ce=ce_loss_alpha, tv=l1_loss_alpha, conf=confidence_head_alpha)
+        self.loss_decay_gamma = loss_decay_gamma
+        self.draft_attn_backend = draft_attn_backend
+        self.logits_chunk_blocks = logits_chunk_blocks
+        config = draft_config(self.target.text_config, num_draft_layers, overrides=draft_overrides)
+        embedding, head = self.target.input_embeddings.weight, self.target.lm_head.weight
+        if embedding.shape[0] != head.shape[0]:
+            raise ValueError(
+                f"the target's input embedding has {embedding.shape[0]} rows but its LM head {head.shape[0]}; "
+                "DSpark copies both and needs one vocabulary"
+            )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(draft_seed)
+            self.draft = DSparkDraft(
+                config,
+                len(self.target_layer_ids),
+                markov_rank=markov_rank,
+                markov_head_type=markov_head_type,
+                confidence_head=confidence_head_alpha > 0,
+                confidence_head_with_markov=confidence_head_with_markov,
+            )
+        self.draft.copy_target_weights(embedding, head, freeze=freeze_embeddings)
+        self.ratio_metrics = nn.ModuleDict(
+            {f"{stage}_{name}": RatioSum() for stage in ("train", "val") for name in self._ratio_names()}
+        )
+
+    @property
+    def has_confidence_head(self) -> bool:
+        return self.draft.confidence_head is not None
+
+    # --- anchors and the objective ---------------------------------------------------------------
+
+    def sample_anchors(
+        self, batch: Mapping[str, Tensor] | PackedBatch, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``[B, N]`` anchors (row positions, -1 = none): ``min(num_anchors, valid anchors)`` per document,
+        a valid anchor being a supervised token followed by a supervised token of the same document."""
+        packed = self.prepare_batch(batch)
+        return sample_anchors(packed, self.block_size, self.num_anchors, generator, partial_blocks=True)
+
+    def compute_loss(
+        self, batch: Mapping[str, Tensor] | PackedBatch, anchors: Tensor | None = None
+    ) -> DSparkOutput:
+        """The objective on one micro-batch; deterministic given ``anchors`` (``[B, N]``, -1 = none)."""
+        packed = self.prepare_batch(batch)
+        if anchors is None:
+            anchors = self.sample_anchors(packed)
+        else:
+            anchors = check_anchors(packed, anchors, self.block_size, partial_blocks=True)
+        layout = block_layout(packed, anchors, self.block_size)
+        if layout.num_blocks == 0:
+            return self._empty_output(packed.input_ids.device)
+        features, final_hidden = capture_context_features(self.target, packed, self.target_layer_ids)
+        hidden = self._draft_hidden(packed, layout, features)
+        supervision = block_supervision(packed, layout)
+        teacher_hidden = final_hidden[layout.rows[:, None], supervision.teacher_positions]
+        return self._objective(hidden, supervision, teacher_hidden)
+
+    def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, features: Tensor) -> Tensor:
+        tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id)
+        mask = build_block_mask(
+            layout, resolve_block_backend(self.draft_attn_backend, packed.input_ids.device)
+        )
+        return self.draft(
+            layout.gather_context(features),
+            layout.gather_context(packed.position_ids),
+            self.draft.embed_tokens(tokens),
+            layout.block_position_ids(packed.position_ids),
+            mask,
+        )
+
+    def _objective(
+        self, hidden: Tensor, supervision: BlockSupervision, teacher_hidden: Tensor
+    ) -> DSparkOutput:
+        valid = supervision.valid
+        weights = decay_weights(self.block_size, self.loss_decay_gamma, valid.device) * valid
+        ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
+            self._chunk_terms,
+            self.logits_chunk_blocks,
+            hidden,
+            supervision.previous,
+            supervision.labels,
+            weights,
+            teacher_hidden,
+        )
+        weight_sum = weights.sum()
+        loss = combine_terms(ce_sum, tv_sum, conf_sum, weight_sum, self.loss_weights)
+        sums = acceptance_sums(alpha, valid)
+        if self.has_confidence_head:
+            sums.update(confidence_sums(confidence, alpha, valid, weights))
+        local = {
+            name: (term.detach() / (weight_sum + LOSS_EPS))
+            for name, term in zip(LOSS_TERMS, (ce_sum, tv_sum, conf_sum), strict=True)
+        }
+        return self._output(loss, (predicted == supervision.labels) & valid, valid, sums, local, len(hidden))
+
+    def _chunk_terms(
+        self, hidden: Tensor, previous: Tensor, labels: Tensor, weights: Tensor, teacher_hidden: Tensor
+    ) -> tuple[Tensor, ...]:
+        logits, confidence = self.draft.heads(hidden, previous)
+        # The target's own head: equal to the frozen copy, and it cannot drift if the copy is unfrozen.
+        teacher_logits = self.target.logits(teacher_hidden)
+        ce, l1 = distribution_terms(logits, teacher_logits, labels)
+        alpha = acceptance_probability(l1)
+        if confidence is None:
+            conf_sum, confidence = ce.new_zeros(()), torch.zeros_like(alpha)
+        else:
+            conf_sum = (confidence_bce(confidence, alpha) * weights).sum()
+        return (
+            (ce * weights).sum(),
+            (l1 * weights).sum(),
+            conf_sum,
+            logits.argmax(dim=-1),
+            alpha,
+            confidence.detach(),
+        )
+
+    def _output(
+        self, loss: Tensor, correct: Tensor, valid: Tensor, sums: Sums, local: dict[str, Tensor], blocks: int
+    ) -> DSparkOutput:
+        metrics = {name: ratio(num, den) for name, (num, den) in sums.items()}
+        metrics.update(local)
+        metrics["blocks"] = torch.tensor(float(blocks), device=loss.device)
+        return DSparkOutput(loss=loss, correct=correct, valid=valid, metrics=metrics, sums=sums)
+
+    def _empty_output(self, device: torch.device) -> DSparkOutput:
+        """No anchor anywhere: a zero loss still connected to every trainable parameter (and through the
+        same denominator all-reduce), so each rank runs backward and DDP / FSDP stay in lockstep."""
+        trainable = [p for p in self.draft.parameters() if p.requires_grad]
+        connected = torch.stack([p.sum() for p in trainable]).sum() * 0.0
+        zero = torch.zeros((), device=device)
+        loss = combine_terms(connected, zero, zero, zero, self.loss_weights)
+        empty = torch.zeros(0, self.block_size, dtype=torch.bool, device=device)
+        sums = {name: (zero, zero) for name in self._ratio_names()}
+        return self._output(loss, empty, empty.clone(), sums, dict.fromkeys(LOSS_TERMS, zero), 0)
+
+    def _ratio_names(self) -> list[str]:
+        names = [f"accept_rate_k{k}" for k in range(self.block_size)] + ["accept_rate", "tau"]
+        if self.has_confidence_head:
+            names += ["confidence_abs_error", "confidence_bias", "confidence_cumprod_bias"]
+        return names
+
+    # --- logging -----------------------------------------------------------------------------------
+
+    def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
+        # The base logs every metric as a per-step scalar; DSpark's ratios are logged as ratios of sums
+        # (exact over ranks and the validation epoch, and a step without blocks adds nothing).
+        output = self.compute_loss(batch)
+        real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
+        self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=real)
+        for name, value in output.metrics.items():
+            if name not in output.sums:
+                self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
+        for name, (numerator, denominator) in output.sums.items():
+            metric = self.ratio_metrics[f"{stage}_{name}"]
+            metric(numerator, denominator)
+            self.log(f"{stage}/{name}", metric, on_step=stage == "train", on_epoch=stage != "train")
+        return {"loss": output.loss, "draft_output": output.detach()}
+
+    # --- export ------------------------------------------------------------------------------------
+
+    def export(self, output_dir: str | Path, layout: str = "specforge") -> Path:
+        """Write the draft to ``output_dir``: ``layout="specforge"`` (default) is the SpecForge / SGLang
+        ``DSparkDraftModel`` serving layout, ``"nemo"`` NeMo's self-contained ``Qwen3DSparkModel`` layout
+        (with the embedding / LM head copies). Both reload with :meth:`load_exported`."""
+        from lightning_drafts.dspark.export import export_draft
+
+        return export_draft(self, Path(output_dir), layout=layout)
+
+    def load_exported(self, path: str | Path) -> None:
+        """Load an export (either layout) into this module after checking it was made for this setup."""
+        from lightning_drafts.dspark.export import load_into_module
+
+        load_into_module(self, Path(path))
+
+    def dspark_config(self) -> dict[str, Any]:
+        """The DSpark fields of an exported config (what a loader must match)."""
+        head = self.draft.markov_head
+        return {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "markov_rank": 0 if head is None else head.rank,
+            "markov_head_type": "vanilla" if head is None else head.head_type,
+            "enable_confidence_head": self.has_confidence_head,
+            "confidence_head_with_markov": self.draft.confidence_with_markov,
+        }
+
+
+def _check_hyperparameters(**values: Any) -> None:
+    check_positive_int("num_draft_layers", values["num_draft_layers"])
+    check_positive_int("block_size", values["block_size"])
+    check_positive_int("num_anchors", values["num_anchors"])
+    rank = values["markov_rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"markov_rank = {rank!r} must be an int >= 0 (0 disables the Markov head)")
+    if values["markov_head_type"] not in MARKOV_HEAD_TYPES:
+        raise ValueError(
+            f"markov_head_type {values['markov_head_type']!r} is unknown; choose one of {MARKOV_HEAD_TYPES}"
+        )
+    weights = ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha")
+    for name in weights:
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{name} = {value!r} must be a number >= 0")
+    if not any(values[name] > 0 for name in weights):
+        raise ValueError(f"{', '.join(weights)} are all 0: nothing would train; set at least one > 0")
+    if values["confidence_head_alpha"] > 0 and values["confidence_head_with_markov"] and rank == 0:
+        raise ValueError(
+            "confidence_head_with_markov=True needs a Markov head, but markov_rank = 0; set markov_rank > 0 "
+            "or confidence_head_with_markov=False"
+        )
+    gamma = values["loss_decay_gamma"]
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int | float) or not gamma > 0):
+        raise ValueError(f"loss_decay_gamma = {gamma!r} must be > 0, or None for uniform slot weights")
+    if values["draft_attn_backend"] not in BLOCK_BACKENDS:
+        raise ValueError(
+            f"draft_attn_backend {values['draft_attn_backend']!r} is unknown; choose one of {BLOCK_BACKENDS}"
+        )
+    if values["logits_chunk_blocks"] is not None:
+        check_positive_int("logits_chunk_blocks", values["logits_chunk_blocks"])

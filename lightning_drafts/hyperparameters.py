@@ -1,0 +1,29 @@
+"""Checks of the hyperparameters several draft families share, failing at construction with a fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """``value`` must be an int >= 1 (``bool`` is refused: ``True`` is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} = {value!r} must be a positive int")
+
+
+def check_mask_token_id(mask_token_id: Any, vocab_size: int) -> int:
+    """The reserved id of block drafts' masked slots: required (no fallback to pad / eos) and in the vocabulary."""
+    if mask_token_id is None:
+        raise ValueError(
+            "mask_token_id is required: pass a reserved, otherwise unused token id of the target vocabulary "
+            "(e.g. 151669 for Qwen3, 248070 for Qwen3.5+); never pad or eos"
+        )
+    if (
+        isinstance(mask_token_id, bool)
+        or not isinstance(mask_token_id, int)
+        or not 0 <= mask_token_id < vocab_size
+    ):
+        raise ValueError(
+            f"mask_token_id = {mask_token_id!r} is outside the target vocabulary [0, {vocab_size})"
+        )
+    return mask_token_id

@@ -1,0 +1,209 @@
+"""Dense masks cut into query tiles: the CPU attention kernel that never touches a key no query sees.
+
+A dense boolean mask ``[B, 1, Q, KV]`` costs ``Q x KV`` score work however little it allows. Packed
+rows allow little: under EAGLE-3's block-causal mask a query sees its own document only, and in the
+flat block-draft layout (every block of a micro-batch against every real token of it) a block sees
+one document's context and itself. A :class:`TiledMask` keeps, for each tile of consecutive queries,
+only the key columns some query of the tile sees (per row), so attention costs about the visible area,
+as a flex ``BlockMask`` does on the GPU. It is built once per batch and shared by every layer and
+TTT step.
+
+Each tile runs PyTorch's fused CPU flash-attention kernel on its gathered keys (no ``Q x KV`` fp32
+scores are kept for backward). The kernel's log-sum-exp carries no gradient, so it is made
+differentiable through ``d lse / d s = softmax(s) = P``: with ``Y = P K`` (the same attention over
+detached queries and keys, with the keys as values), ``lse + scale * (q . Y - stop_grad(q . Y))`` has the
+value ``lse`` and exactly the gradients ``scale * P K`` for the queries and ``scale * P^T (g * q)`` for
+the keys. Off the CPU (an explicit ``sdpa`` request on CUDA) each tile runs the dense fp32 math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Queries per tile: small enough that a tile spans about one document of chat-length rows, large
+# enough that the per-tile kernel launch and key gather stay negligible.
+TILE_QUERIES = 256
+
+
+@dataclass(frozen=True)
+class MaskTile:
+    """Queries ``[start, stop)`` against ``width`` gathered key columns per row.
+
+    ``bias`` is the fp32 additive mask ``[B, 1, stop - start, width]`` (0 visible, ``-inf`` not);
+    ``empty`` flags queries that see no key (``[B, 1, stop - start]``), or is None when every query sees
+    one. Their bias rows are all 0 so the kernel stays finite; their outputs are zeroed afterwards.
+    """
+
+    start: int
+    stop: int
+    width: int
+    bias: Tensor
+    empty: Tensor | None
+
+
+@dataclass(frozen=True)
+class TiledMask:
+    """A boolean ``[B, 1, Q, KV]`` mask as query tiles; ``key_index`` holds the flat ``b * KV + column``
+    of every gathered key, tile after tile (row-major inside a tile)."""
+
+    tiles: tuple[MaskTile, ...]
+    key_index: Tensor
+    batch: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_index.device
+
+    def dense(self) -> Tensor:
+        """The boolean ``[B, 1, Q, KV]`` mask this tiling stands for (tests and debugging)."""
+        mask = torch.zeros(self.batch, 1, self.q_len, self.kv_len, dtype=torch.bool, device=self.device)
+        offset = 0
+        for tile in self.tiles:
+            count = self.batch * tile.width
+            columns = self.key_index[offset : offset + count].view(self.batch, tile.width) % self.kv_len
+            visible = tile.bias == 0
+            if tile.empty is not None:
+                visible = visible & ~tile.empty[..., None]
+            index = columns[:, None, None, :].expand_as(visible)
+            # Columns are distinct within a row, so each lands once; fillers write False.
+            mask[:, :, tile.start : tile.stop].scatter_(-1, index, visible)
+            offset += count
+        return mask
+
+
+def visible_columns(visible: Tensor, columns: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop the candidate columns no query of a tile sees.
+
+    ``visible`` bool ``[B, tq, C]`` over candidate key ``columns`` (long ``[B, C]``). Returns
+    ``(keys [B, n], visible [B, tq, n])`` with ``n`` the most columns any row keeps; each row lists its
+    seen columns first, in ascending order, then unseen fillers (masked for every query).
+    """
+    seen = visible.any(1)
+    width = max(int(seen.sum(-1).max()), 1)
+    order = torch.sort(seen.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :width]
+    keys = columns.gather(-1, order)
+    return keys, visible.gather(-1, order[:, None, :].expand(-1, visible.shape[1], -1))
+
+
+def assemble(pieces: Iterable[tuple[int, Tensor, Tensor]], batch: int, q_len: int, kv_len: int) -> TiledMask:
+    """A :class:`TiledMask` from ``(start, keys [B, n], visible [B, tq, n])`` per tile, in query order."""
+    tiles, indices, expected = [], [], 0
+    for start, keys, visible in pieces:
+        if start != expected:
+            raise ValueError(
+                f"mask tiles must cover the queries in order: tile at {start}, expected {expected}"
+            )
+        stop = start + visible.shape[1]
+        empty = ~visible.any(-1)
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+        bias = bias.masked_fill(~visible & ~empty[..., None], float("-inf"))
+        has_empty = bool(empty.any())
+        tiles.append(
+            MaskTile(start, stop, keys.shape[1], bias[:, None], empty[:, None] if has_empty else None)
+        )
+        rows = torch.arange(batch, device=keys.device)[:, None] * kv_len
+        indices.append((rows + keys).reshape(-1))
+        expected = stop
+    if expected != q_len:
+        raise ValueError(f"mask tiles cover {expected} of {q_len} queries")
+    device = indices[0].device if indices else torch.device("cpu")
+    key_index = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long, device=device)
+    return TiledMask(tuple(tiles), key_index, batch, q_len, kv_len)
+
+
+def tile_dense_mask(mask: Tensor, tile_queries: int = TILE_QUERIES) -> TiledMask:
+    """Tile a boolean ``[B, 1, Q, KV]`` mask (e.g. :func:`~lightning_drafts.attention.block_causal_mask`)."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.dtype != torch.bool:
+        raise ValueError(
+            f"tile_dense_mask needs a boolean [B, 1, Q, KV] mask, got {mask.dtype} {tuple(mask.shape)}"
+        )
+    batch, _, q_len, kv_len = mask.shape
+    columns = torch.arange(kv_len, device=mask.device).expand(batch, kv_len)
+
+    def pieces() -> Iterable[tuple[int, Tensor, Tensor]]:
+        for start in range(0, q_len, tile_queries):
+            yield start, *visible_columns(mask[:, 0, start : start + tile_queries], columns)
+
+    return assemble(pieces(), batch, q_len, kv_len)
+
+
+def tiled_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: TiledMask, scale: float, with_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``[B, H, Q, d_v]`` attention under ``mask`` (KV heads already expanded), and the fp32 ``[B, H, Q]``
+    log-sum-exp when ``with_lse`` (``-inf`` and a zero output for a query that sees nothing)."""
+    batch, heads, q_len, _ = query.shape
+    if (batch, q_len, key.shape[2]) != (mask.batch, mask.q_len, mask.kv_len):
+        raise ValueError(
+            f"attention shapes (B={batch}, Q={q_len}, KV={key.shape[2]}) do not match the tiled mask "
+            f"(B={mask.batch}, Q={mask.q_len}, KV={mask.kv_len}); build the mask for this batch"
+        )
+    if not mask.tiles:
+        empty = query.new_zeros(batch, heads, 0, value.shape[-1])
+        return empty, query.new_zeros(batch, heads, 0, dtype=torch.float32) if with_lse else None
+    keys, values = _gather_rows(key, mask.key_index), _gather_rows(value, mask.key_index)
+    outs, lses, offset = [], [], 0
+    for tile in mask.tiles:
+        count = batch * tile.width
+        k = keys[offset : offset + count].view(batch, tile.width, heads, -1).transpose(1, 2)
+        v = values[offset : offset + count].view(batch, tile.width, heads, -1).transpose(1, 2)
+        out, lse = _tile_attention(query[:, :, tile.start : tile.stop], k, v, tile, scale, with_lse)
+        outs.append(out)
+        lses.append(lse)
+        offset += count
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2) if with_lse else None
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    # One gather for all tiles: its backward is one index_add instead of a full-size zero tensor per tile.
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).index_select(0, index)
+
+
+def _tile_attention(
+    query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    if query.device.type == "cpu":
+        out, lse = _cpu_flash(query, key, value, tile, scale, with_lse)
+    else:
+        out, lse = _dense_math(query, key, value, tile, scale)
+    if tile.empty is not None:
+        out = out.masked_fill(tile.empty[..., None], 0.0)
+        lse = lse.masked_fill(tile.empty, float("-inf"))
+    return out, lse if with_lse else None
+
+
+def _cpu_flash(
+    query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
+) -> tuple[Tensor, Tensor]:
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bias = tile.bias.to(query.dtype)
+    # The kernel wants one head size for q, k and v (MLA's value heads are narrower): zero columns
+    # change no score and no kept output.
+    value_dim, dim = value.shape[-1], max(query.shape[-1], value.shape[-1])
+    query, key, value = (_widen(x, dim) for x in (query, key, value))
+    out, lse = flash(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    out, lse = out[..., :value_dim], lse.float()
+    if with_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        pulled = flash(query.detach(), key.detach(), key, 0.0, False, attn_mask=bias, scale=scale)[0]
+        pull = (query.float() * pulled.float()).sum(-1) * scale
+        lse = lse + (pull - pull.detach())
+    return out, lse
+
+
+def _widen(x: Tensor, dim: int) -> Tensor:
+    return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
+
+
+def _dense_math(
+    query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float
+) -> tuple[Tensor, Tensor]:
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale + tile.bias
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs.to(value.dtype), value), lse

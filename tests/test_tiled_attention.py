@@ -1,0 +1,75 @@
+"""Tiled masks: they stand for exactly the dense mask, and attention over them gives the dense values and
+gradients, log-sum-exp included (EAGLE-3 merges its TTT diagonal through it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_drafts.anchors import sample_anchors
+from lightning_drafts.attention import attention_with_lse, block_causal_mask, masked_attention
+from lightning_drafts.batch import validate_batch
+from lightning_drafts.block_masks import block_layout, dense_block_mask, tiled_block_mask
+from lightning_drafts.tiled_attention import tile_dense_mask
+from tests.builders import packed_row, random_docs, stack_rows
+
+
+def packed_doc_ids() -> torch.Tensor:
+    docs = random_docs([5, 9, 6, 12, 3, 5], seed=3)
+    batch = stack_rows([packed_row(docs[:3], 22), packed_row(docs[3:], 22)])
+    return validate_batch(batch).doc_ids
+
+
+def dense_and_tiled(mask: torch.Tensor, tiled, value_dim: int):
+    gen = torch.Generator().manual_seed(0)
+    batch, _, q_len, kv_len = mask.shape
+    q = torch.randn(batch, 3, q_len, 8, generator=gen, requires_grad=True)
+    k = torch.randn(batch, 3, kv_len, 8, generator=gen, requires_grad=True)
+    v = torch.randn(batch, 3, kv_len, value_dim, generator=gen, requires_grad=True)
+    out_grad = torch.randn(batch, 3, q_len, value_dim, generator=gen)
+    lse_grad = torch.randn(batch, 3, q_len, generator=gen)
+    results = []
+    for form in (mask, tiled):
+        out, lse = attention_with_lse(q, k, v, form, scale=0.4)
+        # Rows that see nothing have lse = -inf by contract; they carry no gradient.
+        objective = (out * out_grad).sum() + (lse.clamp(min=-1e4) * lse_grad).sum()
+        results.append((out, lse, torch.autograd.grad(objective, (q, k, v))))
+    return results
+
+
+@pytest.mark.parametrize("tile_queries", [4, 7, 64])
+@pytest.mark.parametrize("value_dim", [8, 5])
+def test_tiled_block_causal_attention_matches_dense_values_and_gradients(tile_queries, value_dim):
+    mask = block_causal_mask(packed_doc_ids())
+    mask[1, 0, 6] = False  # a query that sees nothing
+    tiled = tile_dense_mask(mask, tile_queries)
+    assert torch.equal(tiled.dense(), mask)
+    (dense_out, dense_lse, dense_grads), (out, lse, grads) = dense_and_tiled(mask, tiled, value_dim)
+    torch.testing.assert_close(out, dense_out)
+    torch.testing.assert_close(lse, dense_lse)
+    assert torch.equal(out[1, :, 6], torch.zeros_like(out[1, :, 6])) and torch.isneginf(lse[1, :, 6]).all()
+    for got, expected in zip(grads, dense_grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected)
+
+
+def test_tiles_keep_only_the_keys_their_queries_see():
+    tiled = tile_dense_mask(block_causal_mask(packed_doc_ids()), 4)
+    # Row 0's tile of queries 4..7 spans documents 0 and 1: keys 0..7, nothing after the tile's end.
+    assert tiled.tiles[1].width <= 8
+    assert sum(tile.width * (tile.stop - tile.start) for tile in tiled.tiles) < 22 * 22
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_tiled_block_mask_is_the_dense_block_mask_and_attends_alike(window):
+    docs = random_docs([40, 7, 30, 25], seed=5)
+    packed = validate_batch(stack_rows([packed_row(docs[:2], 64), packed_row(docs[2:], 64)]))
+    anchors = sample_anchors(packed, 4, 6, generator=torch.Generator().manual_seed(0))
+    layout = block_layout(packed, anchors, 4)
+    tiled = tiled_block_mask(layout, window)
+    dense = dense_block_mask(layout, window)
+    assert torch.equal(tiled.dense(), dense)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, layout.q_len, 8, generator=gen)
+    k, v = (torch.randn(1, 2, layout.kv_len, 8, generator=gen) for _ in range(2))
+    torch.testing.assert_close(masked_attention(q, k, v, tiled, 0.35), masked_attention(q, k, v, dense, 0.35))
