@@ -25,6 +25,12 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None
 
 
 def export_checkpoint(checkpoint_path: str | Path, output_dir: str | Path, target: str | None = None) -> Path:
-    """Load ``checkpoint_path`` and write its serving layout to ``output_dir``."""
+    """Load ``checkpoint_path``, write its serving layout to ``output_dir`` and validate what was written
+    (a defect raises ``ValueError`` naming the field)."""
+    from lightning_drafts.evaluate import validate_export
+
     module = load_draft_checkpoint(checkpoint_path, target=target)
-    return module.export(Path(output_dir))
+    path = module.export(Path(output_dir))
+    # What serving reads is checked against the target it will serve with, for every family.
+    validate_export(path, target=module.target)
+    return path
