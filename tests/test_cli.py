@@ -63,3 +63,24 @@ def test_gpu_recipe_parses(config, capsys):
         run_cli(["fit", f"--config={config}", "--print_config"])
     assert exit_info.value.code in (0, None)
     assert "class_path" in capsys.readouterr().out
+
+
+def test_validate_subcommand_and_an_optimizer_chosen_in_yaml(tmp_path):
+    eagle3 = ROOT / "configs" / "quickstart" / "eagle3.yaml"
+    args = short_fit(eagle3, tmp_path)
+    cli = run_cli(
+        [
+            *args,
+            "--trainer.max_steps=2",
+            "--optimizer=torch.optim.SGD",
+            "--optimizer.lr=0.05",
+            "--optimizer.momentum=0.9",
+        ]
+    )
+    (optimizer,) = cli.trainer.optimizers
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.9
+
+    (checkpoint,) = Path(cli.trainer.logger.log_dir, "checkpoints").glob("*.ckpt")
+    validated = run_cli(["validate", *args[1:], f"--ckpt_path={checkpoint}"])
+    assert validated.trainer.state.fn == "validate"
+    assert float(validated.trainer.callback_metrics["val/accept_len"]) >= 1.0
