@@ -144,3 +144,32 @@ def _torch_dtype(name: str) -> torch.dtype:
     if name not in mapping:
         raise ValueError(f"tensor dtype {name!r} is not one a draft export uses")
     return mapping[name]
+
+
+def check_tensor_layout(
+    files: ExportFiles, expected: dict[str, Tensor], architecture: str, defects: DefectList
+) -> None:
+    """The written tensors are exactly those ``expected`` (built from config.json), with their shapes, in
+    the one dtype config.json declares."""
+    for name in sorted(set(expected) - set(files.shapes)):
+        defects.add(
+            name, "missing from model.safetensors; a reader would leave it at a random init (re-export)"
+        )
+    for name in sorted(set(files.shapes) - set(expected)):
+        defects.add(name, f"is not a tensor of the {architecture} layout; readers reject or ignore it")
+    for name in sorted(set(expected) & set(files.shapes)):
+        if tuple(expected[name].shape) != files.shapes[name]:
+            defects.add(
+                name,
+                f"has shape {files.shapes[name]} but config.json implies {tuple(expected[name].shape)}; the "
+                "config and the weights disagree",
+            )
+    dtypes = {dtype for dtype in files.dtypes.values() if dtype.is_floating_point}
+    declared = files.config.get("torch_dtype")
+    if len(dtypes) > 1:
+        defects.add("model.safetensors", f"mixes dtypes {sorted(map(str, dtypes))}; write one dtype")
+    elif declared is not None and dtypes and f"torch.{declared}" != str(next(iter(dtypes))):
+        defects.add(
+            "torch_dtype",
+            f"is {declared!r} but the weights are {next(iter(dtypes))}; readers cast by the config",
+        )

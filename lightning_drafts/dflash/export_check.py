@@ -36,6 +36,7 @@ from lightning_drafts.export_check import (
     ExportFiles,
     ExportSummary,
     architecture_of,
+    check_tensor_layout,
     read_export,
 )
 from lightning_drafts.target import FrozenTarget
@@ -344,28 +345,7 @@ def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectL
     except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown hidden_act or rope_type
         defects.add("config.json", f"does not describe a buildable {architecture} ({error})")
         return
-    for name in sorted(set(expected) - set(files.shapes)):
-        defects.add(
-            name, "missing from model.safetensors; an engine would leave it at a random init (re-export)"
-        )
-    for name in sorted(set(files.shapes) - set(expected)):
-        defects.add(name, f"is not a tensor of the {architecture} layout; engines reject or ignore it")
-    for name in sorted(set(expected) & set(files.shapes)):
-        if tuple(expected[name].shape) != files.shapes[name]:
-            defects.add(
-                name,
-                f"has shape {files.shapes[name]} but config.json implies {tuple(expected[name].shape)}; the config "
-                "and the weights disagree",
-            )
-    dtypes = {dtype for dtype in files.dtypes.values() if dtype.is_floating_point}
-    declared = files.config.get("torch_dtype")
-    if len(dtypes) > 1:
-        defects.add("model.safetensors", f"mixes dtypes {sorted(map(str, dtypes))}; write one dtype")
-    elif declared is not None and dtypes and f"torch.{declared}" != str(next(iter(dtypes))):
-        defects.add(
-            "torch_dtype",
-            f"is {declared!r} but the weights are {next(iter(dtypes))}; engines cast by the config",
-        )
+    check_tensor_layout(files, expected, architecture, defects)
 
 
 def _check_trained_tensors(files: ExportFiles, defects: DefectList) -> None:
