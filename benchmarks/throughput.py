@@ -219,15 +219,22 @@ def build_eagle3(args: argparse.Namespace, documents: list[dict[str, Tensor]]) -
     return module
 
 
+def block_draft_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The block drafts' shared arguments; ``logits_chunk_blocks`` only when asked (else each default)."""
+    arguments = {
+        "mask_token_id": MASK_TOKEN_ID,
+        "target_layer_ids": capture_layers(args.target_layers, min(args.draft_layers, args.target_layers)),
+        "num_draft_layers": args.draft_layers,
+        "block_size": args.block_size,
+        "num_anchors": args.anchors,
+    }
+    if args.logits_chunk_blocks is not None:
+        arguments["logits_chunk_blocks"] = args.logits_chunk_blocks or None
+    return arguments
+
+
 def build_block_draft(cls: type[DraftModule], args: argparse.Namespace) -> DraftModule:
-    return cls(
-        target_config(args),
-        mask_token_id=MASK_TOKEN_ID,
-        target_layer_ids=capture_layers(args.target_layers, min(args.draft_layers, args.target_layers)),
-        num_draft_layers=args.draft_layers,
-        block_size=args.block_size,
-        num_anchors=args.anchors,
-    )
+    return cls(target_config(args), **block_draft_arguments(args))
 
 
 def build_dspark(args: argparse.Namespace) -> DraftModule:
@@ -236,14 +243,8 @@ def build_dspark(args: argparse.Namespace) -> DraftModule:
         from lightning_drafts import DSparkModule
     except ImportError as error:
         raise NotImplementedError(f"DSparkModule is not importable yet ({error})") from error
-    wanted = {
-        "mask_token_id": MASK_TOKEN_ID,
-        "target_layer_ids": capture_layers(args.target_layers, min(args.draft_layers, args.target_layers)),
-        "num_draft_layers": args.draft_layers,
-        "block_size": args.block_size,
-        "num_anchors": args.anchors,
-    }
     accepted = inspect.signature(DSparkModule.__init__).parameters
+    wanted = block_draft_arguments(args)
     return DSparkModule(target_config(args), **{k: v for k, v in wanted.items() if k in accepted})
 
 
@@ -568,6 +569,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-layers", type=int, default=2, help="DFlash / DFlash2 / DSpark draft layers")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--anchors", type=int, default=16, help="anchors per document (block drafts)")
+    parser.add_argument(
+        "--logits-chunk-blocks",
+        type=int,
+        default=None,
+        help="block drafts' logits_chunk_blocks (default: each module's; 0: no chunking, no recompute)",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument(
         "--warmup",
@@ -626,12 +633,14 @@ def main(argv: list[str] | None = None) -> None:
             f"Documents: {len(documents)} of the embedded corpus (seed {args.seed}), {documents.num_tokens:,} "
             f"tokens, median {int(np.median(documents.lengths))}, truncated to {args.max_tokens}. "
             f"Micro-batch {args.micro_batch} rows of {args.max_tokens} (packed) / {args.micro_batch} "
-            f"documents (padded); {args.repeats} interleaved timed epochs per layout after one warmup epoch.",
+            f"documents (padded); {args.repeats} interleaved timed epochs per layout after "
+            f"{'a warmup epoch' if args.warmup < 0 else f'{args.warmup} warmup micro-batch(es)'} per layout.",
             f"Target: Llama, hidden {target['hidden_size']}, MLP {target['intermediate_size']}, "
             f"{target['num_hidden_layers']} layers, {target['num_attention_heads']} heads / "
             f"{target['num_key_value_heads']} KV heads, vocabulary {target['vocab_size']}. EAGLE-3: "
             f"ttt_length {args.ttt_length}, draft vocabulary {args.draft_vocab_size}. Block drafts: "
-            f"{args.draft_layers} draft layers, block {args.block_size}, {args.anchors} anchors per document.",
+            f"{args.draft_layers} draft layers, block {args.block_size}, {args.anchors} anchors per document, "
+            f"logits_chunk_blocks {'module default' if args.logits_chunk_blocks is None else args.logits_chunk_blocks}.",
             "Throughput columns are medians over the repeats; 'of limit' = (packed/padded) / limit.",
         ]
     )
