@@ -152,13 +152,21 @@ def test_count_supervised_tokens_reads_only_the_loss_mask():
 
 def test_teacher_is_restricted_to_the_draft_vocabulary_in_mapping_order():
     module = checks.build(Eagle3Module, LLAMA)
-    packed = module.prepare_batch(packed_row(random_docs([6, 8], seed=13), 16))
+    batch = packed_row(random_docs([6, 8], seed=13), 16)
+    batch["loss_mask"][0, [0, 1, 6, 7, 8]] = 0  # each document's prompt
+    packed = module.prepare_batch(batch)
     teacher = module.teacher_signal(packed)
     output = module.target(packed)
     full = module.target.logits(output.last_hidden_state)
     selected = module.draft.selected_token_ids
-    torch.testing.assert_close(teacher.logits, full[..., selected])
-    assert torch.equal(teacher.in_draft_vocab, module.draft.t2d[full.argmax(-1)])
+    supervised = packed.loss_mask
+    assert 0 < int(supervised.sum()) < supervised.numel(), "the test needs positions outside the loss"
+    # Logits only at the loss positions, in row-major order; nothing outside is read or computed.
+    torch.testing.assert_close(teacher.logits, full[supervised][:, selected])
+    torch.testing.assert_close(teacher.logits[teacher.row[supervised]], full[supervised][:, selected])
+    assert (teacher.row[~supervised] == -1).all()
+    expected_in_vocab = module.draft.t2d[full.argmax(-1)] & supervised
+    assert torch.equal(teacher.in_draft_vocab, expected_in_vocab)
     assert teacher.aux_hidden_states.shape == (1, 16, 3 * LLAMA["hidden_size"])
     assert module.target_layer_ids == [1, 3, 4]
 
@@ -168,7 +176,7 @@ def test_out_of_vocabulary_targets_stay_valid_chains_but_leave_the_loss():
     batch = packed_row(random_docs([9, 12], seed=16), 24)
     packed = module.prepare_batch(batch)
     in_vocab = module.teacher_signal(packed).in_draft_vocab
-    assert not in_vocab[packed.attention_mask].all(), (
+    assert not in_vocab[packed.loss_mask].all(), (
         "the test needs some greedy targets outside the draft vocabulary"
     )
     with torch.no_grad():

@@ -199,18 +199,21 @@ class Eagle3Base(DraftModule):
 
     @torch.no_grad()
     def teacher_signal(self, packed: PackedBatch) -> TeacherSignal:
-        """One frozen target forward: captured layers, restricted teacher logits, in-vocabulary bits."""
+        """One frozen target forward: captured layers; teacher logits and in-vocabulary bits at the
+        loss-mask positions only (restricted to the draft vocabulary before the matmul)."""
         output = self.target(packed, self.target_layer_ids)
         aux = torch.cat(output.hidden_states, dim=-1)
-        last = output.last_hidden_state
+        supervised = packed.loss_mask
+        row = torch.cumsum(supervised.reshape(-1), 0).reshape(supervised.shape) - 1
+        row = row.masked_fill(~supervised, -1)
+        last = output.last_hidden_state[supervised]
+        in_vocab = torch.zeros_like(supervised)
         if not self.compresses_vocab:
-            logits = self.target.logits(last)
-            return TeacherSignal(
-                aux, logits, torch.ones(packed.shape, dtype=torch.bool, device=logits.device)
-            )
+            in_vocab[supervised] = True
+            return TeacherSignal(aux, self.target.logits(last), row, in_vocab)
         logits = self.target.logits(last, self.draft.selected_token_ids)
-        in_vocab = self.draft.t2d[self.target.greedy_tokens(last)]
-        return TeacherSignal(aux, logits, in_vocab)
+        in_vocab[supervised] = self.draft.t2d[self.target.greedy_tokens(last)]
+        return TeacherSignal(aux, logits, row, in_vocab)
 
     def draft_attention_mask(self, packed: PackedBatch) -> Any:
         """Block 1's document-causal mask, built once per batch and shared by every TTT step: a flex

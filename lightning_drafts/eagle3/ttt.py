@@ -40,17 +40,23 @@ class TTTCache:
 class TeacherSignal:
     """What the frozen target gives one micro-batch, in the dataset frame (unshifted).
 
+    The LM head runs only where the loss mask is set: the objective reads the teacher nowhere else, and
+    prompt and padding slots would otherwise cost a full-vocabulary projection each.
+
     Attributes:
         aux_hidden_states: ``[B, T, 3 * H_t]``, the captured layer outputs concatenated in
             ``target_layer_ids`` order.
-        logits: ``[B, T, V_d]`` target logits restricted to the draft vocabulary (column ``c`` = draft id
-            ``c``), in the target dtype.
-        in_draft_vocab: bool ``[B, T]``, ``t2d[argmax over the full vocabulary]``: a position whose greedy
-            target token the draft cannot predict leaves the loss (but stays a chain miss).
+        logits: ``[N, V_d]`` target logits restricted to the draft vocabulary (column ``c`` = draft id
+            ``c``), in the target dtype, for the ``N`` loss-mask positions in row-major order.
+        row: long ``[B, T]``, the ``logits`` row of each loss-mask position (-1 elsewhere).
+        in_draft_vocab: bool ``[B, T]``, ``t2d[argmax over the full vocabulary]`` at loss-mask positions
+            (False elsewhere): a position whose greedy target token the draft cannot predict leaves the
+            loss (but stays a chain miss).
     """
 
     aux_hidden_states: Tensor
     logits: Tensor
+    row: Tensor
     in_draft_vocab: Tensor
 
 
@@ -192,12 +198,14 @@ def eagle3_objective(
     # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
     # so every rank runs backward and DDP / FSDP never wait on a skipped step.
     loss = states[-1].float().sum() * 0.0
+    teacher_argmax = teacher.logits.argmax(-1)
     # One step at a time, so only one step's [rows, V_d] logits and teacher rows are alive outside autograd.
     for k, (state, weight, step_rows, step_slots) in enumerate(per_step):
         student = compute_logits(state[step_rows, step_slots])
-        target = teacher.logits[step_rows, step_slots + 1 + k]
+        teacher_rows = teacher.row[step_rows, step_slots + 1 + k]
+        target = teacher.logits[teacher_rows]
         loss = loss + weight * soft_cross_entropy(student, target).sum() / max(1, step_rows.numel())
-        correct[step_rows, step_slots, k] = student.detach().argmax(-1) == target.argmax(-1)
+        correct[step_rows, step_slots, k] = student.detach().argmax(-1) == teacher_argmax[teacher_rows]
     supervised_total = torch.tensor(sum(sizes), device=valid.device)
     chains = valid.any(-1).reshape(-1)
     correct = correct.reshape(-1, len(states))[chains]
