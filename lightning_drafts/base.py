@@ -185,6 +185,18 @@ class DraftModule(L.LightningModule):
         """Write the serving layout of this draft (implemented by each family)."""
         raise NotImplementedError(f"{type(self).__name__} has no serving export")
 
+    def target_record(self) -> dict[str, Any]:
+        """What an export records so that ``evaluate`` can rebuild the target without being told:
+        the hub id / path / config dict (``None`` for a model instance) and the seed of a random one."""
+        target = self.hparams.get("target")
+        if isinstance(target, dict) and "vocab_size" not in target:
+            # The CLI fills a config-dict target's vocabulary from the tokenizer; rebuild it with that size.
+            target = {**target, "vocab_size": self.target.vocab_size}
+        return {
+            "target": target if isinstance(target, (str, dict)) else None,
+            "target_seed": self.hparams.get("target_seed", 0),
+        }
+
     def draft_state_dict(self) -> dict[str, Tensor]:
         """The draft's weights and buffers only (what checkpoints and exports hold)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(TARGET_PREFIX)}

@@ -87,9 +87,10 @@ def training_batch() -> dict[str, torch.Tensor]:
     return stack_rows([packed_row(docs[:2], 16), packed_row(docs[2:], 16)])
 
 
-def trained_module(module_class: type[DFlashModule], steps: int = 4) -> DFlashModule:
+def trained_module(module_class: type[DFlashModule], steps: int = 4, target=None) -> DFlashModule:
     """A draft trained a few optimizer steps on a fixed batch (export, not quality, is under test)."""
-    module = make(module_class, sharpened_target(), target_layer_ids=TRAINED_LAYERS)
+    target = sharpened_target() if target is None else target
+    module = make(module_class, target, target_layer_ids=TRAINED_LAYERS)
     batch = training_batch()
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(steps):

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from callbacks import ServedAcceptanceCallback
-from lightning_drafts import DSparkModule
+from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
 from lightning_drafts.batch import validate_batch
 from lightning_drafts.block_masks import block_layout
 from lightning_drafts.cli import main
@@ -42,6 +42,7 @@ from tests.test_evaluate_dflash import (
     sharpened_target,
     training_batch,
 )
+from tests.test_evaluate_dflash import trained_module as dflash_trained_module
 
 BLOCK = 4
 RANK = 8
@@ -72,9 +73,9 @@ def make(target, **kwargs) -> DSparkModule:
     )
 
 
-def trained_module(steps: int = 4) -> DSparkModule:
+def trained_module(steps: int = 4, target=None) -> DSparkModule:
     """A draft trained a few optimizer steps on a fixed batch (export, not quality, is under test)."""
-    module = make(sharpened_target())
+    module = make(sharpened_target() if target is None else target)
     batch = training_batch()
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(steps):
@@ -489,6 +490,28 @@ def test_cli_evaluate_serves_a_dspark_export_with_an_explicit_target(trained_exp
     assert "accept_len" in printed and "tau_sim" in printed and "lossless: yes" in printed
     report = json.loads(out.read_text())
     assert report["architecture"] == "DSparkDraftModel" and report["generated_tokens"] == 10
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_cli_evaluate_rebuilds_the_target_the_export_records(family, tmp_path, capsys):
+    target = TINY_TARGETS["qwen3"]
+    if family == "dspark":
+        module = trained_module(steps=1, target=target)
+    else:
+        module = dflash_trained_module(DFlash2Module if family == "dflash2" else DFlashModule, target=target)
+    export = module.export(tmp_path / "draft")
+    record = json.loads((export / "config.json").read_text())["lightning_drafts"]
+    assert record["target"] == target and record["target_seed"] == 0
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p.tolist()) for p in random_docs([4, 6], vocab=MASK, seed=51)))
+    out = tmp_path / "report.json"
+    main(
+        ["evaluate", str(export), "--prompts", str(prompts), "--max-new-tokens", "4"]
+        + ["--ignore-eos", "--check-lossless", "--json", str(out)]
+    )
+    assert "lossless: yes" in capsys.readouterr().out
+    assert json.loads(out.read_text())["generated_tokens"] == 8
 
 
 def test_the_callback_logs_served_acceptance_for_a_dspark_draft(tmp_path):

@@ -74,6 +74,7 @@ def serving_config(module: DFlashModule, dtype: torch.dtype) -> dict[str, Any]:
         block_size=dflash_config["block_size"],
         dflash_config=dflash_config,
         torch_dtype=str(dtype).removeprefix("torch."),
+        lightning_drafts=module.target_record(),
     )
     return config
 

@@ -108,6 +108,7 @@ def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dic
         "l1_loss_alpha": module.loss_weights.tv,
         "confidence_head_alpha": module.loss_weights.conf,
         "loss_decay_gamma": module.loss_decay_gamma,
+        **module.target_record(),
     }
     return config
 

@@ -178,10 +178,6 @@ def load_eagle3(directory: str | Path, target: Any = None, **overrides: Any) -> 
 
 
 def _training_record(module: Eagle3Base) -> dict[str, Any]:
-    target = module.hparams.get("target")
-    if isinstance(target, dict) and "vocab_size" not in target:
-        # The CLI fills a config-dict target's vocabulary from the tokenizer; rebuild it with that size.
-        target = {**target, "vocab_size": module.target.vocab_size}
     return {
         "draft_class": _family(module),
         "target_layer_ids": list(module.target_layer_ids),
@@ -189,8 +185,7 @@ def _training_record(module: Eagle3Base) -> dict[str, Any]:
         "ttt_length": module.hparams.ttt_length,
         "loss_decay_gamma": module.hparams.loss_decay_gamma,
         "draft_vocab_size": module.draft.draft_vocab_size,
-        "target": target if isinstance(target, (str, dict)) else None,
-        "target_seed": module.hparams.get("target_seed", 0),
+        **module.target_record(),
         "init_fingerprints": dict(getattr(module, "init_fingerprints", {})),
     }
 
