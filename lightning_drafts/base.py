@@ -8,7 +8,7 @@ builds the optimiser, and keeps the target out of checkpoints. A family subclass
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from lightning_drafts.batch import PackedBatch, validate_batch
 from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.schedule import warmup_cosine
 from lightning_drafts.target import FrozenTarget, TargetSpec
 
@@ -98,13 +99,33 @@ class DraftModule(L.LightningModule):
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
         return self._shared_step(batch, "val")
 
+    def register_ratio_metrics(self, names: Iterable[str]) -> None:
+        """Declare the metrics a family's ``DraftOutput.sums`` carries (call at the end of ``__init__``):
+        each is logged as the ratio of its sums over steps and ranks, not as a per-step mean."""
+        self.ratio_metrics = ratio_metrics(names)
+
     def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
         output = self.compute_loss(batch)
         real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
         self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=real)
         for name, value in output.metrics.items():
-            self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
+            if name not in output.sums:
+                self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
+        for name, (numerator, denominator) in output.sums.items():
+            metric = self._ratio_metric(stage, name)
+            metric(numerator, denominator)
+            self.log(f"{stage}/{name}", metric, on_step=stage == "train", on_epoch=stage != "train")
         return {"loss": output.loss, "draft_output": output.detach()}
+
+    def _ratio_metric(self, stage: str, name: str) -> RatioSum:
+        registered = getattr(self, "ratio_metrics", {})
+        key = f"{stage}_{name}"
+        if key not in registered:
+            raise ValueError(
+                f"{type(self).__name__}.compute_loss returned sums for {name!r}, which was never registered; "
+                "call self.register_ratio_metrics([...]) with every ratio name at the end of __init__"
+            )
+        return registered[key]
 
     def configure_callbacks(self) -> list[L.Callback]:
         from callbacks.acceptance import AcceptanceCallback

@@ -16,7 +16,9 @@ class DraftOutput:
     :mod:`lightning_drafts.acceptance`); ``correct`` is only meaningful where ``valid``.
     ``valid_tokens`` counts supervised predictions (it can differ from ``valid.sum()``, e.g. EAGLE-3
     drops out-of-draft-vocabulary targets from the loss but keeps them as chain misses); ``metrics``
-    holds family-specific scalars to log (e.g. ``candidate_recall``).
+    holds family-specific scalars to log (e.g. ``candidate_recall``); ``sums`` holds, for those of them
+    that are ratios, the exact ``(numerator, denominator)`` the module logs as a ratio of sums over steps
+    and ranks (:mod:`lightning_drafts.ratio_metric`).
     """
 
     loss: Tensor
@@ -24,6 +26,7 @@ class DraftOutput:
     valid: Tensor
     valid_tokens: Tensor | None = None
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    sums: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.correct.shape != self.valid.shape or self.correct.dim() != 2:
@@ -41,4 +44,5 @@ class DraftOutput:
             valid=self.valid.detach(),
             valid_tokens=torch.as_tensor(self.valid_tokens).detach(),
             metrics={k: v.detach() for k, v in self.metrics.items()},
+            sums={name: (num.detach(), den.detach()) for name, (num, den) in self.sums.items()},
         )

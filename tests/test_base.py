@@ -100,3 +100,34 @@ def test_tokenizer_vocabulary_fills_a_config_target_and_must_fit_a_given_one():
     assert NextTokenProbe(config, tokenizer_vocab_size=50).target.vocab_size == 50
     with pytest.raises(ValueError, match="tokenizer has 200 tokens"):
         NextTokenProbe(TINY_TARGETS["llama"], tokenizer_vocab_size=200)
+
+
+class RatioProbe(NextTokenProbe):
+    """Reports, per micro-batch, ``hits = 1`` out of ``count = 1 + batch index`` supervised slots."""
+
+    def __init__(self, target: dict, register: bool = True) -> None:
+        super().__init__(target)
+        self.seen = 0
+        if register:
+            self.register_ratio_metrics(["hit_rate"])
+
+    def compute_loss(self, batch, anchors=None):
+        output = super().compute_loss(batch)
+        self.seen += 1
+        hits, count = torch.tensor(1.0), torch.tensor(float(self.seen))
+        output.sums = {"hit_rate": (hits, count)}
+        output.metrics["hit_rate"] = hits / count
+        return output
+
+
+def test_registered_ratios_are_logged_as_ratios_of_sums_over_the_epoch(tmp_path):
+    module = RatioProbe(TINY_TARGETS["llama"])
+    (logged,) = trainer(tmp_path, logger=False).validate(module, loader())
+    # Four batches: 1/1, 1/2, 1/3, 1/4. The ratio of sums is 4/10; the mean of the ratios would be 0.52.
+    assert logged["val/hit_rate"] == pytest.approx(4 / 10)
+
+
+def test_sums_for_an_unregistered_ratio_are_refused(tmp_path):
+    module = RatioProbe(TINY_TARGETS["llama"], register=False)
+    with pytest.raises(ValueError, match="'hit_rate'.*register_ratio_metrics"):
+        trainer(tmp_path, logger=False).validate(module, loader())

@@ -42,6 +42,7 @@ from lightning_drafts.dflash.objective import (
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.draft_output import DraftOutput
 from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.ratio_metric import ratio
 from lightning_drafts.target import TargetSpec
 
 DRAFT_BACKENDS = BLOCK_BACKENDS
@@ -139,6 +140,7 @@ class DFlashModule(DraftModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(draft_seed)
             self.draft = self._build_draft(config)
+        self.register_ratio_metrics(self._ratio_names())
 
     def _build_draft(self, config: Any) -> DFlashDraft:
         return DFlashDraft(config, len(self.target_layer_ids))
@@ -244,12 +246,18 @@ class DFlashModule(DraftModule):
         trainable = [p for p in self.draft.parameters() if p.requires_grad]
         loss = torch.stack([p.sum() for p in trainable]).sum() * 0.0
         empty = torch.zeros(0, self.block_size - 1, dtype=torch.bool, device=loss.device)
-        metrics = {name: torch.zeros((), device=loss.device) for name in self._metric_names()}
+        zero = torch.zeros((), device=loss.device)
+        metrics = {name: zero for name in self._metric_names()}
         metrics["short_documents"] = short.float()
-        return DraftOutput(loss=loss, correct=empty, valid=empty.clone(), metrics=metrics)
+        sums = {name: (zero, zero) for name in self._ratio_names()}
+        return DraftOutput(loss=loss, correct=empty, valid=empty.clone(), metrics=metrics, sums=sums)
 
     def _metric_names(self) -> tuple[str, ...]:
-        return ("blocks", "short_documents")
+        return ("blocks", "short_documents", *self._ratio_names())
+
+    def _ratio_names(self) -> tuple[str, ...]:
+        """The metrics logged as exact ratios of sums (``DraftOutput.sums``)."""
+        return ()
 
     # --- serving export ----------------------------------------------------------------------------
 
@@ -330,10 +338,12 @@ class DFlash2Module(DFlashModule):
         kernel, group = self._conv
         return DFlash2Draft(config, len(self.target_layer_ids), kernel, group, self._selector_rank)
 
+    def _ratio_names(self) -> tuple[str, ...]:
+        return ("candidate_recall",)
+
     def _metric_names(self) -> tuple[str, ...]:
         return (
             *super()._metric_names(),
-            "candidate_recall",
             "greedy_accept_len",
             "base_accept_len",
             "base_loss",
@@ -352,8 +362,9 @@ class DFlash2Module(DFlashModule):
         base_loss = nll_sum / (weights.sum() + LOSS_EPS)
         selector_loss = selector_sum / (selector_weight + LOSS_EPS)
         labels, valid = targets.labels, targets.valid
+        recall = ((covered & valid).sum().float(), valid.sum().float())
         metrics = {
-            "candidate_recall": (covered & valid).sum() / valid.sum().clamp(min=1),
+            "candidate_recall": ratio(*recall),
             "greedy_accept_len": _accept_len((walk == labels) & valid, valid),
             "base_accept_len": _accept_len((predicted == labels) & valid, valid),
             "base_loss": base_loss.detach(),
@@ -364,6 +375,7 @@ class DFlash2Module(DFlashModule):
             correct=(picks == labels) & valid,
             valid=valid,
             metrics={k: v.float() for k, v in metrics.items()},
+            sums={"candidate_recall": recall},
         )
 
     def _chunk_terms(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_drafts.anchors import check_anchors, sample_anchors
 from lightning_drafts.base import DraftModule
@@ -30,6 +30,7 @@ from lightning_drafts.block_masks import (
 )
 from lightning_drafts.chunked_terms import over_chunks
 from lightning_drafts.dflash.draft import draft_config
+from lightning_drafts.draft_output import DraftOutput
 from lightning_drafts.dspark.context_features import (
     capture_context_features,
     check_target_layer_ids,
@@ -38,14 +39,7 @@ from lightning_drafts.dspark.context_features import (
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.eval_mask import BlockSupervision, block_supervision
 from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
-from lightning_drafts.dspark.metrics import (
-    DSparkOutput,
-    RatioSum,
-    Sums,
-    acceptance_sums,
-    confidence_sums,
-    ratio,
-)
+from lightning_drafts.dspark.metrics import acceptance_sums, confidence_sums
 from lightning_drafts.dspark.objective import (
     LOSS_EPS,
     LossWeights,
@@ -56,6 +50,7 @@ from lightning_drafts.dspark.objective import (
     distribution_terms,
 )
 from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.ratio_metric import Sums, ratio
 from lightning_drafts.target import TargetSpec
 
 LOSS_TERMS = ("ce_loss", "tv_loss", "confidence_loss")
@@ -90,7 +85,7 @@ class DSparkModule(DraftModule):
             backward); None = one piece.
         **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments. Learning rate 6e-4 by default.
 
-    ``compute_loss`` returns a :class:`~lightning_drafts.dspark.metrics.DSparkOutput`: ``correct`` /
+    ``compute_loss`` returns a :class:`~lightning_drafts.draft_output.DraftOutput`: ``correct`` /
     ``valid`` ``[M, K]`` (argmax of the Markov-corrected logits with teacher-forced previous tokens ==
     gold; the eval mask), metrics ``accept_rate_k{k}``, ``accept_rate``, ``tau``, the confidence
     calibration, ``ce_loss`` / ``tv_loss`` / ``confidence_loss`` and ``blocks``.
@@ -166,9 +161,7 @@ class DSparkModule(DraftModule):
                 confidence_head_with_markov=confidence_head_with_markov,
             )
         self.draft.copy_target_weights(embedding, head, freeze=freeze_embeddings)
-        self.ratio_metrics = nn.ModuleDict(
-            {f"{stage}_{name}": RatioSum() for stage in ("train", "val") for name in self._ratio_names()}
-        )
+        self.register_ratio_metrics(self._ratio_names())
 
     @property
     def has_confidence_head(self) -> bool:
@@ -186,7 +179,7 @@ class DSparkModule(DraftModule):
 
     def compute_loss(
         self, batch: Mapping[str, Tensor] | PackedBatch, anchors: Tensor | None = None
-    ) -> DSparkOutput:
+    ) -> DraftOutput:
         """The objective on one micro-batch; deterministic given ``anchors`` (``[B, N]``, -1 = none)."""
         packed = self.prepare_batch(batch)
         if anchors is None:
@@ -217,7 +210,7 @@ class DSparkModule(DraftModule):
 
     def _objective(
         self, hidden: Tensor, supervision: BlockSupervision, teacher_hidden: Tensor
-    ) -> DSparkOutput:
+    ) -> DraftOutput:
         valid = supervision.valid
         weights = decay_weights(self.block_size, self.loss_decay_gamma, valid.device) * valid
         ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
@@ -263,13 +256,13 @@ class DSparkModule(DraftModule):
 
     def _output(
         self, loss: Tensor, correct: Tensor, valid: Tensor, sums: Sums, local: dict[str, Tensor], blocks: int
-    ) -> DSparkOutput:
+    ) -> DraftOutput:
         metrics = {name: ratio(num, den) for name, (num, den) in sums.items()}
         metrics.update(local)
         metrics["blocks"] = torch.tensor(float(blocks), device=loss.device)
-        return DSparkOutput(loss=loss, correct=correct, valid=valid, metrics=metrics, sums=sums)
+        return DraftOutput(loss=loss, correct=correct, valid=valid, metrics=metrics, sums=sums)
 
-    def _empty_output(self, device: torch.device) -> DSparkOutput:
+    def _empty_output(self, device: torch.device) -> DraftOutput:
         """No anchor anywhere: a zero loss still connected to every trainable parameter (and through the
         same denominator all-reduce), so each rank runs backward and DDP / FSDP stay in lockstep."""
         trainable = [p for p in self.draft.parameters() if p.requires_grad]
@@ -285,23 +278,6 @@ class DSparkModule(DraftModule):
         if self.has_confidence_head:
             names += ["confidence_abs_error", "confidence_bias", "confidence_cumprod_bias"]
         return names
-
-    # --- logging -----------------------------------------------------------------------------------
-
-    def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
-        # The base logs every metric as a per-step scalar; DSpark's ratios are logged as ratios of sums
-        # (exact over ranks and the validation epoch, and a step without blocks adds nothing).
-        output = self.compute_loss(batch)
-        real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
-        self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=real)
-        for name, value in output.metrics.items():
-            if name not in output.sums:
-                self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
-        for name, (numerator, denominator) in output.sums.items():
-            metric = self.ratio_metrics[f"{stage}_{name}"]
-            metric(numerator, denominator)
-            self.log(f"{stage}/{name}", metric, on_step=stage == "train", on_epoch=stage != "train")
-        return {"loss": output.loss, "draft_output": output.detach()}
 
     # --- export ------------------------------------------------------------------------------------
 

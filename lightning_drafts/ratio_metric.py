@@ -1,0 +1,45 @@
+"""Ratio metrics kept as exact ``(numerator, denominator)`` sums.
+
+A draft's diagnostic ratios (DSpark's acceptance proxies and calibration, DFlash2's candidate recall)
+are logged as the ratio of sums over steps and ranks, never as a mean of per-step ratios: a step with
+few supervised slots then weighs what it counts, and a step with none adds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+Sums = dict[str, tuple[Tensor, Tensor]]
+STAGES = ("train", "val")
+
+
+def ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator``, 0 where nothing was counted."""
+    return torch.where(denominator > 0, numerator / denominator.clamp(min=1e-12), torch.zeros_like(numerator))
+
+
+class RatioSum(Metric):
+    """``sum(numerator) / sum(denominator)`` over steps and ranks (0 before anything was counted)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("numerator", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("denominator", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, numerator: Tensor, denominator: Tensor) -> None:
+        self.numerator += numerator.detach().double()
+        self.denominator += denominator.detach().double()
+
+    def compute(self) -> Tensor:
+        return ratio(self.numerator, self.denominator).float()
+
+
+def ratio_metrics(names: Iterable[str]) -> nn.ModuleDict:
+    """One :class:`RatioSum` per stage and name, keyed ``"{stage}_{name}"``."""
+    return nn.ModuleDict({f"{stage}_{name}": RatioSum() for stage in STAGES for name in names})
