@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,36 @@ def check_tensor_layout(
             "torch_dtype",
             f"is {declared!r} but the weights are {next(iter(dtypes))}; readers cast by the config",
         )
+
+
+def check_trained_tensors(
+    files: ExportFiles,
+    defects: DefectList,
+    still_initial: Callable[[str, Tensor], str | None] = lambda name, tensor: None,
+) -> None:
+    """Every floating tensor is finite; no matrix is constant; not every RMSNorm gain is still 1.0; and
+    ``still_initial(name, tensor)`` (a family's own parts that start at a known value: zeros, an
+    identity kernel) returns why a tensor is still at that value, or None."""
+    norms_at_init = []
+    for name, dtype in sorted(files.dtypes.items()):
+        if not dtype.is_floating_point:
+            continue
+        tensor = files.tensor(name)
+        if not bool(torch.isfinite(tensor).all()):
+            defects.add(name, "holds NaN or inf values")
+        elif name.endswith("norm.weight"):
+            norms_at_init.append(bool((tensor == 1).all()))
+        elif (reason := still_initial(name, tensor)) is not None:
+            defects.add(name, reason)
+        elif tensor.dim() >= 2 and tensor.numel() and is_constant(tensor):
+            defects.add(name, "is constant (e.g. all zeros): it was never trained or not saved")
+    if norms_at_init and all(norms_at_init):
+        defects.add(
+            "*norm.weight",
+            f"all {len(norms_at_init)} RMSNorm gains are still exactly 1.0, their initialisation: the draft was "
+            "never trained, or the export wrote fresh weights",
+        )
+
+
+def is_constant(tensor: Tensor) -> bool:
+    return bool((tensor == tensor.reshape(-1)[0]).all())

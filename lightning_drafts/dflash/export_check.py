@@ -37,6 +37,7 @@ from lightning_drafts.export_check import (
     ExportSummary,
     architecture_of,
     check_tensor_layout,
+    check_trained_tensors,
     read_export,
 )
 from lightning_drafts.target import FrozenTarget
@@ -90,7 +91,7 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
 
     _check_tensor_layout(files, architecture, defects)
     defects.raise_if_any()
-    _check_trained_tensors(files, defects)
+    check_trained_tensors(files, defects, _dflash2_part_still_initial)
     defects.raise_if_any()
     return ExportSummary(
         architecture=architecture,
@@ -348,39 +349,15 @@ def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectL
     check_tensor_layout(files, expected, architecture, defects)
 
 
-def _check_trained_tensors(files: ExportFiles, defects: DefectList) -> None:
-    norms_at_init = []
-    for name, dtype in sorted(files.dtypes.items()):
-        if not dtype.is_floating_point:
-            continue
-        tensor = files.tensor(name)
-        if not bool(torch.isfinite(tensor).all()):
-            defects.add(name, "holds NaN or inf values")
-            continue
-        if name.endswith("norm.weight"):
-            norms_at_init.append(bool((tensor == 1).all()))
-        elif name.endswith(ZERO_INITIALISED) and not bool(tensor.any()):
-            defects.add(
-                name,
-                "is still all zeros, its initialisation: that DFlash2 part was never trained or not saved "
-                "(a selector_loss_weight of 0 leaves the selector untrained: serve such a draft as DFlash)",
-            )
-        elif name.endswith("base_kernel") and _is_identity_kernel(tensor):
-            defects.add(
-                name, "is still the identity kernel it starts from: the in-block conv was never trained"
-            )
-        elif tensor.dim() >= 2 and tensor.numel() and _is_constant(tensor):
-            defects.add(name, "is constant (e.g. all zeros): it was never trained or not saved")
-    if norms_at_init and all(norms_at_init):
-        defects.add(
-            "*norm.weight",
-            f"all {len(norms_at_init)} RMSNorm gains are still exactly 1.0, their initialisation: the draft was "
-            "never trained, or the export wrote fresh weights",
+def _dflash2_part_still_initial(name: str, tensor: Tensor) -> str | None:
+    if name.endswith(ZERO_INITIALISED) and not bool(tensor.any()):
+        return (
+            "is still all zeros, its initialisation: that DFlash2 part was never trained or not saved "
+            "(a selector_loss_weight of 0 leaves the selector untrained: serve such a draft as DFlash)"
         )
-
-
-def _is_constant(tensor: Tensor) -> bool:
-    return bool((tensor == tensor.reshape(-1)[0]).all())
+    if name.endswith("base_kernel") and _is_identity_kernel(tensor):
+        return "is still the identity kernel it starts from: the in-block conv was never trained"
+    return None
 
 
 def _is_identity_kernel(kernel: Tensor) -> bool:

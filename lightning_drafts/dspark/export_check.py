@@ -38,7 +38,6 @@ from lightning_drafts.dflash.export_check import (
     _check_against_target,
     _check_rope,
     _check_shape_fields,
-    _is_constant,
     _is_int,
     _special_tokens,
     qwen3_config_of,
@@ -54,6 +53,7 @@ from lightning_drafts.export_check import (
     ExportSummary,
     architecture_of,
     check_tensor_layout,
+    check_trained_tensors,
     read_export,
 )
 from lightning_drafts.target import FrozenTarget
@@ -99,7 +99,7 @@ def validate_dspark_export(directory: str | Path, target: FrozenTarget | None = 
 
     _check_tensor_layout(files, layout, layer_ids, heads, defects)
     defects.raise_if_any()
-    _check_trained_tensors(files, defects)
+    check_trained_tensors(files, defects, _confidence_bias_still_initial)
     if layout == "nemo" and target is not None:
         _check_target_copies(files, target, defects)
     defects.raise_if_any()
@@ -318,29 +318,10 @@ def _check_tensor_layout(
     check_tensor_layout(files, expected, architecture, defects)
 
 
-def _check_trained_tensors(files: ExportFiles, defects: DefectList) -> None:
-    norms_at_init = []
-    for name, dtype in sorted(files.dtypes.items()):
-        if not dtype.is_floating_point:
-            continue
-        tensor = files.tensor(name)
-        if not bool(torch.isfinite(tensor).all()):
-            defects.add(name, "holds NaN or inf values")
-        elif name.endswith("norm.weight"):
-            norms_at_init.append(bool((tensor == 1).all()))
-        elif name == CONFIDENCE_BIAS and not bool(tensor.any()):
-            defects.add(
-                name,
-                "is still exactly 0, its initialisation: the confidence head was never trained or not saved",
-            )
-        elif tensor.dim() >= 2 and tensor.numel() and _is_constant(tensor):
-            defects.add(name, "is constant (e.g. all zeros): it was never trained or not saved")
-    if norms_at_init and all(norms_at_init):
-        defects.add(
-            "*norm.weight",
-            f"all {len(norms_at_init)} RMSNorm gains are still exactly 1.0, their initialisation: the draft "
-            "was never trained, or the export wrote fresh weights",
-        )
+def _confidence_bias_still_initial(name: str, tensor: Tensor) -> str | None:
+    if name == CONFIDENCE_BIAS and not bool(tensor.any()):
+        return "is still exactly 0, its initialisation: the confidence head was never trained or not saved"
+    return None
 
 
 def _check_target_copies(files: ExportFiles, target: FrozenTarget, defects: DefectList) -> None:

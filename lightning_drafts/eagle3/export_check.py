@@ -35,6 +35,7 @@ from lightning_drafts.export_check import (
     ExportFiles,
     ExportSummary,
     architecture_of,
+    is_constant,
     read_export,
     tensor_fingerprint,
 )
@@ -304,7 +305,7 @@ def _check_trained_tensors(files: ExportFiles, defects: DefectList, target: Froz
         if dtype.is_floating_point and not bool(torch.isfinite(files.tensor(name)).all()):
             defects.add(name, "holds NaN or inf values")
     lm_head = files.tensor("lm_head.weight")
-    if lm_head.numel() and bool((lm_head == lm_head.reshape(-1)[0]).all()):
+    if lm_head.numel() and is_constant(lm_head):
         defects.add("lm_head.weight", "is constant (e.g. all zeros): it was never trained or not saved")
     recorded = (files.config.get(RECORD) or {}).get("init_fingerprints") or {}
     for name in INIT_CHECKED_TENSORS:
