@@ -481,20 +481,28 @@ def test_the_training_module_rebuilt_from_the_export_has_the_exported_weights(tr
 # --- CLI ----------------------------------------------------------------------------------------------
 
 
-def test_cli_evaluate_serves_a_dflash_export_with_an_explicit_target(trained_exports, tmp_path, capsys):
-    module, export = trained_exports["dflash"]
+def cli_evaluate(export, tmp_path, capsys, *extra: str) -> tuple[str, dict]:
+    """``lightning-drafts evaluate`` on two prompts, 5 new tokens each: what it printed and its JSON report."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p.tolist()) for p in random_docs([4, 6], vocab=MASK, seed=50)))
-    target_file = tmp_path / "target.json"
-    target_file.write_text(json.dumps(TINY_TARGETS["qwen3"]))
     out = tmp_path / "report.json"
     main(
-        ["evaluate", str(export), "--prompts", str(prompts), "--target", str(target_file)]
-        + ["--max-new-tokens", "5", "--ignore-eos", "--check-lossless", "--json", str(out)]
+        ["evaluate", str(export), "--prompts", str(prompts), "--max-new-tokens", "5"]
+        + ["--ignore-eos", "--check-lossless", "--json", str(out), *extra]
     )
-    printed = capsys.readouterr().out
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
+def qwen3_target_file(tmp_path) -> str:
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps(TINY_TARGETS["qwen3"]))
+    return str(path)
+
+
+def test_cli_evaluate_serves_a_dflash_export_with_an_explicit_target(trained_exports, tmp_path, capsys):
+    _, export = trained_exports["dflash"]
+    printed, report = cli_evaluate(export, tmp_path, capsys, "--target", qwen3_target_file(tmp_path))
     assert "accept_len" in printed and "tau_sim" in printed and "lossless: yes" in printed
-    report = json.loads(out.read_text())
     assert report["architecture"] == "DFlashDraftModel" and report["generated_tokens"] == 10
 
 

@@ -17,7 +17,6 @@ from callbacks import ServedAcceptanceCallback
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
 from lightning_drafts.batch import validate_batch
 from lightning_drafts.block_masks import block_layout
-from lightning_drafts.cli import main
 from lightning_drafts.dspark.context_features import capture_context_features
 from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.dspark.speculate import DSparkSpeculator, load_speculator, load_training_module
@@ -35,7 +34,9 @@ from tests.test_evaluate_dflash import (
     LAST_LAYER,
     MASK,
     PromptRows,
+    cli_evaluate,
     one_thread,  # noqa: F401  (the autouse fixture: one thread for hundreds of tiny forwards)
+    qwen3_target_file,
     repeated_prompts,
     repeating_target,
     rewrite_export,
@@ -477,18 +478,8 @@ def test_the_training_module_rebuilt_from_the_export_has_the_exported_weights(tr
 
 def test_cli_evaluate_serves_a_dspark_export_with_an_explicit_target(trained_exports, tmp_path, capsys):
     _, export = trained_exports["specforge"]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(p.tolist()) for p in random_docs([4, 6], vocab=MASK, seed=50)))
-    target_file = tmp_path / "target.json"
-    target_file.write_text(json.dumps(TINY_TARGETS["qwen3"]))
-    out = tmp_path / "report.json"
-    main(
-        ["evaluate", str(export), "--prompts", str(prompts), "--target", str(target_file)]
-        + ["--max-new-tokens", "5", "--ignore-eos", "--check-lossless", "--json", str(out)]
-    )
-    printed = capsys.readouterr().out
+    printed, report = cli_evaluate(export, tmp_path, capsys, "--target", qwen3_target_file(tmp_path))
     assert "accept_len" in printed and "tau_sim" in printed and "lossless: yes" in printed
-    report = json.loads(out.read_text())
     assert report["architecture"] == "DSparkDraftModel" and report["generated_tokens"] == 10
 
 
@@ -503,15 +494,8 @@ def test_cli_evaluate_rebuilds_the_target_the_export_records(family, tmp_path, c
     record = json.loads((export / "config.json").read_text())["lightning_drafts"]
     assert record["target"] == target and record["target_seed"] == 0
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(p.tolist()) for p in random_docs([4, 6], vocab=MASK, seed=51)))
-    out = tmp_path / "report.json"
-    main(
-        ["evaluate", str(export), "--prompts", str(prompts), "--max-new-tokens", "4"]
-        + ["--ignore-eos", "--check-lossless", "--json", str(out)]
-    )
-    assert "lossless: yes" in capsys.readouterr().out
-    assert json.loads(out.read_text())["generated_tokens"] == 8
+    printed, report = cli_evaluate(export, tmp_path, capsys)  # no --target: the recorded one
+    assert "lossless: yes" in printed and report["generated_tokens"] == 10
 
 
 def test_the_callback_logs_served_acceptance_for_a_dspark_draft(tmp_path):
