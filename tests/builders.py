@@ -1,8 +1,15 @@
-"""Tiny random target configs (built offline) and packed / padded batch builders shared by tests."""
+"""Tiny random target configs (built offline), packed / padded batch builders and an export editor shared
+by tests."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 VOCAB = 96
 
@@ -95,3 +102,22 @@ def stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def random_docs(lengths: list[int], vocab: int = VOCAB, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
+
+
+def rewrite_export(
+    source: Path,
+    destination: Path,
+    config_edit: Callable[[dict], None] | None = None,
+    tensor_edit: Callable[[dict], None] | None = None,
+) -> Path:
+    """A copy of an export with its config and / or tensors edited (to break it on purpose)."""
+    shutil.copytree(source, destination)
+    if config_edit is not None:
+        config = json.loads((destination / "config.json").read_text())
+        config_edit(config)
+        (destination / "config.json").write_text(json.dumps(config))
+    if tensor_edit is not None:
+        tensors = load_file(str(destination / "model.safetensors"))
+        tensor_edit(tensors)
+        save_file(tensors, str(destination / "model.safetensors"))
+    return destination

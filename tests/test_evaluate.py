@@ -4,15 +4,12 @@ MLA-EAGLE-3 drafts, the export validator, the CLI and the validation-time callba
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -35,7 +32,7 @@ from lightning_drafts.evaluate import (
     validate_export,
 )
 from lightning_drafts.target import FrozenTarget
-from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, stack_rows
+from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, rewrite_export, stack_rows
 from tests.eagle3_checks import frequencies
 
 FAMILIES = [(Eagle3Module, "llama"), (MLAEagle3Module, "deepseek_v3")]
@@ -135,25 +132,6 @@ def perfect_prompts(module: Eagle3Base) -> list[torch.Tensor]:
     for prompt, draft_id in zip(prompts, picks, strict=True):
         prompt[-1] = selected[draft_id]
     return prompts
-
-
-def rewrite_export(
-    source: Path,
-    destination: Path,
-    config_edit: Callable[[dict], None] | None = None,
-    tensor_edit: Callable[[dict], None] | None = None,
-) -> Path:
-    """A copy of an export with its config and / or tensors edited (to break it on purpose)."""
-    shutil.copytree(source, destination)
-    if config_edit is not None:
-        config = json.loads((destination / "config.json").read_text())
-        config_edit(config)
-        (destination / "config.json").write_text(json.dumps(config))
-    if tensor_edit is not None:
-        tensors = load_file(str(destination / "model.safetensors"))
-        tensor_edit(tensors)
-        save_file(tensors, str(destination / "model.safetensors"))
-    return destination
 
 
 @pytest.fixture(scope="module")

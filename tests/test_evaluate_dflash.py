@@ -5,7 +5,6 @@ against the training module's."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -29,7 +27,7 @@ from lightning_drafts.evaluate import (
     greedy_generate,
     validate_export,
 )
-from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, stack_rows
+from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, rewrite_export, stack_rows
 
 BLOCK = 4
 MASK = VOCAB - 1  # reserved: never in a prompt or a training document
@@ -162,25 +160,6 @@ def perfect_module(module_class: type[DFlashModule]) -> DFlashModule:
 
 def repeated_prompts() -> list[torch.Tensor]:
     return [torch.full((length,), token) for length, token in ((5, 3), (7, 11), (9, 40))]
-
-
-def rewrite_export(
-    source: Path,
-    destination: Path,
-    config_edit: Callable[[dict], None] | None = None,
-    tensor_edit: Callable[[dict], None] | None = None,
-) -> Path:
-    """A copy of an export with its config and / or tensors edited (to break it on purpose)."""
-    shutil.copytree(source, destination)
-    if config_edit is not None:
-        config = json.loads((destination / "config.json").read_text())
-        config_edit(config)
-        (destination / "config.json").write_text(json.dumps(config))
-    if tensor_edit is not None:
-        tensors = load_file(str(destination / "model.safetensors"))
-        tensor_edit(tensors)
-        save_file(tensors, str(destination / "model.safetensors"))
-    return destination
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from lightning_drafts.evaluate import (
     validate_export,
 )
 from tests.block_draft_cases import perturb
-from tests.builders import TINY_TARGETS, VOCAB, random_docs
+from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
 from tests.test_evaluate_dflash import (
     EOS,
     LAST_LAYER,
@@ -39,7 +39,6 @@ from tests.test_evaluate_dflash import (
     qwen3_target_file,
     repeated_prompts,
     repeating_target,
-    rewrite_export,
     sharpened_target,
     training_batch,
 )
