@@ -54,17 +54,24 @@ QWEN3_FIELDS = (
     "max_window_layers",
 )
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-ARCHITECTURES = {"DFlashDraftModel": DFlashDraft, "DFlash2DraftModel": DFlash2Draft}
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+ARCHITECTURES = {"DFlashDraftModel": DFlashDraft, DFLASH2_ARCHITECTURE: DFlash2Draft}
 
 
-def serving_config(module: DFlashModule, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of ``module``'s draft."""
-    config = {key: value for key, value in module.draft.config.to_dict().items() if key in QWEN3_FIELDS}
+def qwen3_serving_fields(draft_config: Qwen3Config) -> dict[str, Any]:
+    """The Qwen3 fields of a block draft's ``config.json`` (shared by DFlash and DSpark exports)."""
+    config = {key: value for key, value in draft_config.to_dict().items() if key in QWEN3_FIELDS}
     rope = config["rope_parameters"]
     # Readers written for transformers 4 look for rope_theta / rope_scaling at the top level.
     config["rope_theta"] = rope["rope_theta"]
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
+    return config
+
+
+def serving_config(module: DFlashModule, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of ``module``'s draft."""
+    config = qwen3_serving_fields(module.draft.config)
     dflash_config = module.dflash_config()
     config.update(
         architectures=[module.architecture],
@@ -108,23 +115,33 @@ def read_serving_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def load_exported_draft(path: str | Path) -> tuple[DFlashDraft, dict[str, Any]]:
-    """Rebuild the draft network of an export (weights loaded strictly) and return it with its config."""
-    path = Path(path)
-    config = read_serving_config(path)
+def qwen3_config_of(config: dict[str, Any]) -> Qwen3Config:
+    """The draft's Qwen3 config as a reader builds it from ``config.json`` (the fields it knows)."""
+    return Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config})
+
+
+def draft_from_serving_config(config: dict[str, Any]) -> DFlashDraft:
+    """The draft network ``config.json`` describes, with fresh weights (build under ``torch.device("meta")``
+    to get names and shapes only)."""
     dflash_config = config["dflash_config"]
-    qwen3 = Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config})
+    qwen3 = qwen3_config_of(config)
     features = len(dflash_config["target_layer_ids"])
-    if config["architectures"][0] == "DFlash2DraftModel":
-        draft = DFlash2Draft(
+    if config["architectures"][0] == DFLASH2_ARCHITECTURE:
+        return DFlash2Draft(
             qwen3,
             features,
             dflash_config["conv_kernel_size"],
             dflash_config["conv_group_size"],
             dflash_config["selector_rank"],
         )
-    else:
-        draft = DFlashDraft(qwen3, features)
+    return DFlashDraft(qwen3, features)
+
+
+def load_exported_draft(path: str | Path) -> tuple[DFlashDraft, dict[str, Any]]:
+    """Rebuild the draft network of an export (weights loaded strictly) and return it with its config."""
+    path = Path(path)
+    config = read_serving_config(path)
+    draft = draft_from_serving_config(config)
     state = load_file(str(path / WEIGHTS_FILE))
     dtype = next(iter(state.values())).dtype
     draft.to(dtype).load_state_dict(state, strict=True)

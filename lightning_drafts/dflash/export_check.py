@@ -26,10 +26,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import Qwen3Config
 
-from lightning_drafts.dflash.draft import FOREIGN_ROPE_FIELDS, DFlash2Draft, DFlashDraft
-from lightning_drafts.dflash.export import ARCHITECTURES, QWEN3_FIELDS
+from lightning_drafts.dflash.draft import FOREIGN_ROPE_FIELDS
+from lightning_drafts.dflash.export import (
+    ARCHITECTURES,
+    DFLASH2_ARCHITECTURE,
+    DFLASH2_FIELDS,
+    draft_from_serving_config,
+)
 from lightning_drafts.export_check import (
     CONFIG_FILE,
     DefectList,
@@ -42,7 +46,6 @@ from lightning_drafts.export_check import (
 )
 from lightning_drafts.target import FrozenTarget
 
-DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 LAYER_ID_CONVENTION = "decoder-layer outputs, 0-based (HF hidden_states[id + 1])"
 # Without these an engine would build the draft from its own defaults, not from what was trained.
 REQUIRED_SHAPE_FIELDS = (
@@ -57,7 +60,6 @@ REQUIRED_SHAPE_FIELDS = (
     "rms_norm_eps",
     "max_position_embeddings",
 )
-DFLASH2_SIZE_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # DFlash2 tensors whose initialisation is a fixed value; still equal to it means never trained.
 ZERO_INITIALISED = ("kernel_projection.weight", "candidate_selector.successor_codebook")
 
@@ -103,31 +105,9 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
             "vocab_size": config["vocab_size"],
             "rope_theta": config["rope_theta"],
             "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None,
-            **{name: dflash_config.get(name) for name in DFLASH2_SIZE_FIELDS if name in dflash_config},
+            **{name: dflash_config.get(name) for name in DFLASH2_FIELDS if name in dflash_config},
         },
     )
-
-
-def qwen3_config_of(config: dict[str, Any]) -> Qwen3Config:
-    """The draft's Qwen3 config as a reader builds it from ``config.json`` (the fields it knows)."""
-    return Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config})
-
-
-def draft_from_serving_config(config: dict[str, Any]) -> DFlashDraft:
-    """The draft network ``config.json`` describes, with fresh weights (build under ``torch.device("meta")``
-    to get names and shapes only)."""
-    dflash_config = config["dflash_config"]
-    qwen3 = qwen3_config_of(config)
-    features = len(dflash_config["target_layer_ids"])
-    if config["architectures"][0] == DFLASH2_ARCHITECTURE:
-        return DFlash2Draft(
-            qwen3,
-            features,
-            dflash_config["conv_kernel_size"],
-            dflash_config["conv_group_size"],
-            dflash_config["selector_rank"],
-        )
-    return DFlashDraft(qwen3, features)
 
 
 # --- config checks ----------------------------------------------------------------------------------
@@ -304,7 +284,7 @@ def _check_layer_ids(
 def _check_dflash2_sizes(
     config: dict[str, Any], dflash_config: dict[str, Any], block_size: int, defects: DefectList
 ) -> None:
-    for name in DFLASH2_SIZE_FIELDS:
+    for name in DFLASH2_FIELDS:
         value = dflash_config.get(name)
         if not (_is_int(value) and value >= 1):
             defects.add(f"dflash_config.{name}", f"is {value!r}; DFlash2 needs it as a positive int")

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
-from lightning_drafts.dflash.export import load_exported_draft, read_serving_config
-from lightning_drafts.dflash.export_check import DFLASH2_ARCHITECTURE, validate_dflash_export
+from lightning_drafts.dflash.export import DFLASH2_ARCHITECTURE, load_exported_draft, read_serving_config
+from lightning_drafts.dflash.export_check import validate_dflash_export
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
 from lightning_drafts.draft_output import DraftOutput
 from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix

@@ -51,9 +51,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config
 
-from lightning_drafts.dflash.export import QWEN3_FIELDS
+from lightning_drafts.dflash.export import qwen3_config_of, qwen3_serving_fields
 from lightning_drafts.dspark.draft import DSparkDraft
 
 if TYPE_CHECKING:
@@ -68,11 +67,7 @@ HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "con
 
 def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of ``module``'s draft in ``layout`` (see the module docstring)."""
-    config = {key: value for key, value in module.draft.config.to_dict().items() if key in QWEN3_FIELDS}
-    rope = config["rope_parameters"]
-    config["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        config["rope_scaling"] = rope
+    config = qwen3_serving_fields(module.draft.config)
     fields = module.dspark_config()
     config.update(
         architectures=[LAYOUTS[layout]],
@@ -171,6 +166,19 @@ def read_export_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]
     return config, layout, fields
 
 
+def draft_from_config(config: dict[str, Any], layer_ids: list[int], heads: dict[str, Any]) -> DSparkDraft:
+    """The draft network ``config.json`` describes (its head fields in ``heads``), with fresh weights
+    (build under ``torch.device("meta")`` to get names and shapes only)."""
+    return DSparkDraft(
+        qwen3_config_of(config),
+        len(layer_ids),
+        markov_rank=heads["markov_rank"],
+        markov_head_type=heads["markov_head_type"],
+        confidence_head=heads["enable_confidence_head"],
+        confidence_head_with_markov=heads["confidence_head_with_markov"],
+    )
+
+
 def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
     """Rebuild the draft network of a ``nemo``-layout export (weights loaded strictly) with its config.
 
@@ -184,14 +192,7 @@ def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
             f"{path} is a SpecForge-layout export without the embedding / LM head; build a DSparkModule on its "
             "target and call load_exported(path)"
         )
-    draft = DSparkDraft(
-        Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config}),
-        len(fields["target_layer_ids"]),
-        markov_rank=fields["markov_rank"],
-        markov_head_type=fields["markov_head_type"],
-        confidence_head=fields["enable_confidence_head"],
-        confidence_head_with_markov=fields["confidence_head_with_markov"],
-    )
+    draft = draft_from_config(config, fields["target_layer_ids"], fields)
     state = load_file(str(path / WEIGHTS_FILE))
     draft.to(next(iter(state.values())).dtype).load_state_dict(state, strict=True)
     return draft, config

@@ -40,11 +40,9 @@ from lightning_drafts.dflash.export_check import (
     _check_shape_fields,
     _is_int,
     _special_tokens,
-    qwen3_config_of,
 )
 from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
-from lightning_drafts.dspark.draft import DSparkDraft
-from lightning_drafts.dspark.export import HEAD_FIELDS, LAYOUTS, TARGET_COPIES
+from lightning_drafts.dspark.export import HEAD_FIELDS, LAYOUTS, TARGET_COPIES, draft_from_config
 from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
 from lightning_drafts.export_check import (
     CONFIG_FILE,
@@ -117,19 +115,6 @@ def validate_dspark_export(directory: str | Path, target: FrozenTarget | None = 
             **heads,
             "sglang_capturable_layer_ids": all(0 <= i < last for i in layer_ids),
         },
-    )
-
-
-def draft_from_config(config: dict[str, Any], layer_ids: list[int], heads: dict[str, Any]) -> DSparkDraft:
-    """The draft network ``config.json`` describes, with fresh weights (build under ``torch.device("meta")``
-    to get names and shapes only)."""
-    return DSparkDraft(
-        qwen3_config_of(config),
-        len(layer_ids),
-        markov_rank=heads["markov_rank"],
-        markov_head_type=heads["markov_head_type"],
-        confidence_head=heads["enable_confidence_head"],
-        confidence_head_with_markov=heads["confidence_head_with_markov"],
     )
 
 

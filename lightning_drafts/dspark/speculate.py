@@ -45,13 +45,13 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from lightning_drafts.dflash.export_check import qwen3_config_of
 from lightning_drafts.dflash.speculate import ESTIMATE_ANCHORS, _cut_chains
 from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.export import (
     TARGET_COPIES,
     WEIGHTS_FILE,
+    draft_from_config,
     load_exported_draft,
     read_export_config,
 )
@@ -177,14 +177,7 @@ def load_served_draft(directory: Path, target: FrozenTarget) -> tuple[DSparkDraf
     if layout == "nemo":
         draft, _ = load_exported_draft(directory)
         return draft, fields
-    draft = DSparkDraft(
-        qwen3_config_of(config),
-        len(fields["target_layer_ids"]),
-        markov_rank=fields["markov_rank"],
-        markov_head_type=fields["markov_head_type"],
-        confidence_head=fields["enable_confidence_head"],
-        confidence_head_with_markov=fields["confidence_head_with_markov"],
-    )
+    draft = draft_from_config(config, fields["target_layer_ids"], fields)
     state = load_file(str(directory / WEIGHTS_FILE))
     draft.to(next(iter(state.values())).dtype)
     missing, unexpected = draft.load_state_dict(state, strict=False)
