@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
+from lightning_drafts.dflash.draft import ATTENTION_OVERRIDES, DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.export import DFLASH2_ARCHITECTURE, load_exported_draft, read_serving_config
 from lightning_drafts.dflash.export_check import validate_dflash_export
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
@@ -153,10 +153,7 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
         block_size=dflash_config["block_size"],
         num_anchors=ESTIMATE_ANCHORS,
         sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
-        draft_overrides={
-            name: config[name]
-            for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-        },
+        draft_overrides={name: config[name] for name in ATTENTION_OVERRIDES},
         target_attn_backend=target.requested_backend,
         **extra,
     )

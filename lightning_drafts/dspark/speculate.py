@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from lightning_drafts.dflash.draft import ATTENTION_OVERRIDES
 from lightning_drafts.dflash.speculate import ESTIMATE_ANCHORS, _cut_chains
 from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
 from lightning_drafts.dspark.draft import DSparkDraft
@@ -59,8 +60,6 @@ from lightning_drafts.dspark.export_check import validate_dspark_export
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix
 from lightning_drafts.target import FrozenTarget
-
-ATTENTION_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -225,7 +224,7 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
         ce_loss_alpha=record.get("ce_loss_alpha", 0.1),
         l1_loss_alpha=record.get("l1_loss_alpha", 0.9),
         loss_decay_gamma=record.get("loss_decay_gamma", 4.0),
-        draft_overrides={name: config[name] for name in ATTENTION_FIELDS},
+        draft_overrides={name: config[name] for name in ATTENTION_OVERRIDES},
         target_attn_backend=target.requested_backend,
     )
     module.load_exported(directory)
