@@ -121,3 +121,42 @@ def rewrite_export(
         tensor_edit(tensors)
         save_file(tensors, str(destination / "model.safetensors"))
     return destination
+
+
+class PromptRows(torch.utils.data.Dataset):
+    """Packed rows of two documents, each a 4-token prompt followed by a supervised answer (token ids
+    below ``vocab``)."""
+
+    def __init__(self, rows: int, vocab: int = VOCAB) -> None:
+        self.rows = []
+        for i in range(rows):
+            row = packed_row(random_docs([9, 8], vocab=vocab, seed=200 + i), 20)
+            row["loss_mask"][0, :4] = 0
+            row["loss_mask"][0, 9:13] = 0
+            self.rows.append({key: value[0] for key, value in row.items()})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+def assert_target_greedy(target, prompts, generations, max_new_tokens: int, with_hf: bool = True) -> None:
+    """Each generation is the target's own greedy continuation of its prompt: by our reference decode, and
+    (``with_hf``) by transformers' own greedy ``generate`` (KV cache, no EOS stop), an independent one."""
+    from lightning_drafts.evaluate import greedy_generate
+
+    for prompt, generated in zip(prompts, generations, strict=True):
+        assert generated == greedy_generate(target, prompt, max_new_tokens), (
+            "speculative decoding changed the output"
+        )
+        if with_hf:
+            hf = target.model.generate(
+                prompt[None],
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+            )
+            assert hf[0, prompt.numel() :].tolist() == generated

@@ -32,7 +32,16 @@ from lightning_drafts.evaluate import (
     validate_export,
 )
 from lightning_drafts.target import FrozenTarget
-from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, rewrite_export, stack_rows
+from tests.builders import (
+    TINY_TARGETS,
+    VOCAB,
+    PromptRows,
+    assert_target_greedy,
+    packed_row,
+    random_docs,
+    rewrite_export,
+    stack_rows,
+)
 from tests.eagle3_checks import frequencies
 
 FAMILIES = [(Eagle3Module, "llama"), (MLAEagle3Module, "deepseek_v3")]
@@ -150,17 +159,7 @@ def test_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side(
     prompts = random_docs([5, 8, 11], seed=21)
     report = evaluate_export(export, prompts, target=module.target, max_new_tokens=12, stop_token_ids=())
 
-    for prompt, generated in zip(prompts, report.generations, strict=True):
-        assert generated == greedy_generate(module.target, prompt, 12), (
-            "speculative decoding changed the output"
-        )
-    if name == "llama":
-        # An independent reference: transformers' own greedy generate (KV cache, no EOS stop).
-        for prompt, generated in zip(prompts, report.generations, strict=True):
-            hf = module.target.model.generate(
-                prompt[None], max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=True
-            )
-            assert hf[0, prompt.numel() :].tolist() == generated
+    assert_target_greedy(module.target, prompts, report.generations, 12, with_hf=name == "llama")
     assert report.num_steps == STEPS and report.rounds >= 3 and report.generated_tokens == 3 * 12
     assert 1.0 <= report.served.accept_len <= STEPS + 1
     assert report.training is not None and 1.0 <= report.training.accept_len <= STEPS + 1
@@ -522,24 +521,6 @@ def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, caps
 
 
 # --- callback -----------------------------------------------------------------------------------------
-
-
-class PromptRows(torch.utils.data.Dataset):
-    """Packed rows of two documents, each a 4-token prompt followed by a supervised answer."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = []
-        for i in range(rows):
-            row = packed_row(random_docs([9, 8], seed=200 + i), 20)
-            row["loss_mask"][0, :4] = 0
-            row["loss_mask"][0, 9:13] = 0
-            self.rows.append({key: value[0] for key, value in row.items()})
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.rows[index]
 
 
 def test_the_callback_logs_served_acceptance_beside_the_training_estimate(tmp_path):

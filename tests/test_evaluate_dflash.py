@@ -27,7 +27,16 @@ from lightning_drafts.evaluate import (
     greedy_generate,
     validate_export,
 )
-from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, rewrite_export, stack_rows
+from tests.builders import (
+    TINY_TARGETS,
+    VOCAB,
+    PromptRows,
+    assert_target_greedy,
+    packed_row,
+    random_docs,
+    rewrite_export,
+    stack_rows,
+)
 
 BLOCK = 4
 MASK = VOCAB - 1  # reserved: never in a prompt or a training document
@@ -185,13 +194,7 @@ def test_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side(
     )
 
     assert report.lossless is True
-    for prompt, generated in zip(prompts, report.generations, strict=True):
-        assert generated == greedy_generate(module.target, prompt, 12)
-        # An independent reference: transformers' own greedy generate (KV cache, no EOS stop).
-        hf = module.target.model.generate(
-            prompt[None], max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=True
-        )
-        assert hf[0, prompt.numel() :].tolist() == generated
+    assert_target_greedy(module.target, prompts, report.generations, 12)
     assert report.architecture == module.architecture
     assert report.num_steps == BLOCK - 1 and report.rounds >= 3 and report.generated_tokens == 3 * 12
     assert 1.0 <= report.served.accept_len <= BLOCK
@@ -488,24 +491,6 @@ def test_cli_evaluate_serves_a_dflash_export_with_an_explicit_target(trained_exp
 # --- callback -----------------------------------------------------------------------------------------
 
 
-class PromptRows(torch.utils.data.Dataset):
-    """Packed rows of two documents, each a 4-token prompt followed by a supervised answer."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = []
-        for i in range(rows):
-            row = packed_row(random_docs([9, 8], vocab=MASK, seed=200 + i), 20)
-            row["loss_mask"][0, :4] = 0
-            row["loss_mask"][0, 9:13] = 0
-            self.rows.append({key: value[0] for key, value in row.items()})
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.rows[index]
-
-
 def test_the_callback_logs_served_acceptance_for_a_dflash2_draft(tmp_path):
     module = make(DFlash2Module, TINY_TARGETS["qwen3"])
     trainer = L.Trainer(
@@ -520,7 +505,11 @@ def test_the_callback_logs_served_acceptance_for_a_dflash2_draft(tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(PromptRows(4), batch_size=2), DataLoader(PromptRows(2), batch_size=2))
+    trainer.fit(
+        module,
+        DataLoader(PromptRows(4, vocab=MASK), batch_size=2),
+        DataLoader(PromptRows(2, vocab=MASK), batch_size=2),
+    )
     logged = trainer.logged_metrics
     assert "val/accept_len" in logged and "val/served_accept_len" in logged
     assert 1.0 <= float(logged["val/served_accept_len"]) <= BLOCK

@@ -28,12 +28,11 @@ from lightning_drafts.evaluate import (
     validate_export,
 )
 from tests.block_draft_cases import perturb
-from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
+from tests.builders import TINY_TARGETS, VOCAB, PromptRows, assert_target_greedy, random_docs, rewrite_export
 from tests.test_evaluate_dflash import (
     EOS,
     LAST_LAYER,
     MASK,
-    PromptRows,
     cli_evaluate,
     one_thread,  # noqa: F401  (the autouse fixture: one thread for hundreds of tiny forwards)
     qwen3_target_file,
@@ -146,13 +145,7 @@ def test_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side(
     )
 
     assert report.lossless is True
-    for prompt, generated in zip(prompts, report.generations, strict=True):
-        assert generated == greedy_generate(module.target, prompt, 12)
-        # An independent reference: transformers' own greedy generate (KV cache, no EOS stop).
-        hf = module.target.model.generate(
-            prompt[None], max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=True
-        )
-        assert hf[0, prompt.numel() :].tolist() == generated
+    assert_target_greedy(module.target, prompts, report.generations, 12)
     assert report.architecture == {"specforge": "DSparkDraftModel", "nemo": "Qwen3DSparkModel"}[layout]
     assert report.num_steps == BLOCK and report.rounds >= 3 and report.generated_tokens == 3 * 12
     assert 1.0 <= report.served.accept_len <= MAX_ACCEPT
@@ -511,7 +504,11 @@ def test_the_callback_logs_served_acceptance_for_a_dspark_draft(tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(PromptRows(4), batch_size=2), DataLoader(PromptRows(2), batch_size=2))
+    trainer.fit(
+        module,
+        DataLoader(PromptRows(4, vocab=MASK), batch_size=2),
+        DataLoader(PromptRows(2, vocab=MASK), batch_size=2),
+    )
     logged = trainer.logged_metrics
     assert "val/accept_len" in logged and "val/served_accept_len" in logged
     assert 1.0 <= float(logged["val/served_accept_len"]) <= MAX_ACCEPT
