@@ -160,7 +160,7 @@ class DraftModule(L.LightningModule):
         if mesh is None or getattr(self, "_fsdp_applied", False):
             return
         from torch.distributed._composable import checkpoint
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         data_parallel = mesh["data_parallel"]
         draft_roots = [child for name, child in self.named_children() if name != "target"]
@@ -171,10 +171,20 @@ class DraftModule(L.LightningModule):
                 fully_shard(layer, mesh=data_parallel)
             if any(p.requires_grad for p in root.parameters()):
                 fully_shard(root, mesh=data_parallel)
+                # FSDP2 unshards a root's weights when its `forward` runs and keeps them until backward,
+                # so methods called after it (heads, TTT steps) see whole weights. A draft whose step
+                # starts with another method (EAGLE-3) names it; registering every method instead would
+                # reduce each weight's gradient before all its uses had added to it.
+                entry = getattr(root, "fsdp_entry_method", None)
+                if entry is not None:
+                    register_fsdp_forward_method(root, entry)
         if self.hparams.shard_target:
+            # Decoder layers only, each its own FSDP root told to reshard after forward (a root keeps
+            # its weights otherwise, expecting a backward the frozen target never has). The embedding,
+            # final norm and LM head stay whole: drafts and the varlen path call them outside any
+            # forward, and frozen weights need no gradient reduction.
             for layer in self.target.decoder_layers:
-                fully_shard(layer, mesh=data_parallel)
-            fully_shard(self.target.model, mesh=data_parallel)
+                fully_shard(layer, mesh=data_parallel, reshard_after_forward=True)
         self._fsdp_applied = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

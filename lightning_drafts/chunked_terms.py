@@ -1,45 +1,57 @@
 """Per-block loss terms over chunks of blocks, so ``[blocks, slots, V]`` logits never exist whole.
 
-Block drafts (DFlash, DFlash2, DSpark) project every block slot onto the full vocabulary. Running the
-terms chunk by chunk under non-reentrant activation checkpointing keeps one chunk's logits alive at a
-time: each chunk's logits are recomputed in backward instead of kept.
+Block drafts (DFlash, DFlash2, DSpark) project every block slot onto the full vocabulary. Each chunk
+of blocks is run forward *and backward* during the forward pass: its gradients with respect to the
+per-block inputs and the trainable parameters are stored, its logits freed, and the real backward
+only scales the stored gradients by the incoming ones. Nothing is recomputed, so the cost is one
+forward and one backward whatever the chunk size: a packed micro-batch, which holds more blocks
+than a padded one, pays no more per block (activation checkpointing would recompute every chunk
+but the last, which made packed DSpark slower than padded at the default chunk size).
 
-The last chunk is not checkpointed: backward reaches it first, so its kept activations are freed before
-any other chunk is recomputed, and the peak stays one chunk. Putting the remainder chunk first makes
-the kept chunk a full one, so a micro-batch of ``blocks`` recomputes only ``blocks - chunk_blocks`` of
-them (a packed micro-batch, which holds more blocks than a padded one, would otherwise pay a whole
-extra forward of its logits).
+This is exact because each differentiable output is a sum over blocks: its gradient is the sum of
+the chunks' gradients. A family whose loss mixes several outputs with coefficients known up front
+(DSpark's ``a_ce ce + a_tv tv + a_conf conf``) returns that mix as one output, so the expensive
+vocabulary backward runs once; outputs normalised by sums only known after every chunk (DFlash2's
+selector loss) are returned separately, each with its own stored gradients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+Terms = Callable[..., tuple[Tensor, ...]]
+
 
 def over_chunks(
-    terms: Callable[..., tuple[Tensor, ...]], chunk_blocks: int | None, *per_block: Tensor
+    terms: Terms,
+    chunk_blocks: int | None,
+    per_block: Sequence[Tensor],
+    parameters: Iterable[Tensor] = (),
+    differentiable: int = 1,
 ) -> list[Tensor]:
-    """Run ``terms`` on chunks of ``chunk_blocks`` blocks (None = one piece) of the ``per_block`` tensors.
+    """Run ``terms`` on chunks of ``chunk_blocks`` blocks (None = one piece, plain autograd) of the
+    ``per_block`` tensors.
 
-    Scalar outputs of ``terms`` are summed over chunks, per-block outputs concatenated in block order.
+    ``terms`` returns its ``differentiable`` scalar outputs first (summed over chunks, with gradients
+    to the floating ``per_block`` inputs and to ``parameters``, the trainable weights it uses), then
+    outputs without gradients: scalars are summed over chunks, per-block tensors concatenated in block
+    order. Weights ``terms`` reads but ``parameters`` lacks get no gradient, so pass every trainable
+    parameter of the modules it calls (unused ones cost nothing).
     """
+    per_block = tuple(per_block)
     blocks = per_block[0].shape[0]
-    size = chunk_blocks or blocks
-    bounds = chunk_bounds(blocks, size)
-    results = []
-    for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        chunk = [tensor[start:stop] for tensor in per_block]
-        if torch.is_grad_enabled() and index < len(bounds) - 2:
-            results.append(torch.utils.checkpoint.checkpoint(terms, *chunk, use_reentrant=False))
-        else:
-            results.append(terms(*chunk))
-    return [
-        torch.stack(parts).sum() if parts[0].dim() == 0 else torch.cat(parts)
-        for parts in zip(*results, strict=True)
-    ]
+    bounds = chunk_bounds(blocks, chunk_blocks or blocks)
+    trainable = tuple(p for p in parameters if p.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*per_block, *trainable))
+    if chunk_blocks is None or not needs_grad:
+        results = [terms(*(t[start:stop] for t in per_block)) for start, stop in _pairs(bounds)]
+        return _combine(results)
+    plan = _Plan(terms, bounds, len(per_block), differentiable)
+    return list(_GradientInForward.apply(plan, *per_block, *trainable))
 
 
 def chunk_bounds(blocks: int, size: int) -> list[int]:
@@ -47,3 +59,102 @@ def chunk_bounds(blocks: int, size: int) -> list[int]:
     if blocks == 0:
         return [0]
     return [0, *range(blocks % size or size, blocks + 1, size)]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    terms: Terms
+    bounds: list[int]
+    num_per_block: int
+    differentiable: int
+
+
+class _GradientInForward(torch.autograd.Function):
+    """Differentiable outputs whose gradients were computed chunk by chunk in ``forward``."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, *inputs: Tensor) -> tuple[Tensor, ...]:
+        per_block, parameters = inputs[: plan.num_per_block], inputs[plan.num_per_block :]
+        wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+        # Per differentiable output, one gradient buffer per input that wants one.
+        grads = [[None] * len(inputs) for _ in range(plan.differentiable)]
+        results = []
+        for start, stop in _pairs(plan.bounds):
+            leaves = [t[start:stop].detach().requires_grad_(t.requires_grad) for t in per_block]
+            with torch.enable_grad():
+                outputs = plan.terms(*leaves)
+            sources = [(leaves + list(parameters))[i] for i in wanted]
+            if start == 0:
+                _check_no_unlisted_weights(outputs[: plan.differentiable], sources)
+            for index, output in enumerate(outputs[: plan.differentiable]):
+                if not output.requires_grad:
+                    continue
+                last = index == plan.differentiable - 1
+                chunk_grads = torch.autograd.grad(output, sources, retain_graph=not last, allow_unused=True)
+                for i, grad in zip(wanted, chunk_grads, strict=True):
+                    _accumulate(
+                        grads[index], i, grad, inputs[i], (start, stop) if i < len(per_block) else None
+                    )
+            results.append(tuple(o.detach() for o in outputs))
+        ctx.grads = grads
+        combined = _combine(results)
+        ctx.mark_non_differentiable(*combined[plan.differentiable :])
+        return tuple(combined)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        total: list[Tensor | None] = [None] * len(ctx.grads[0])
+        for stored, scale in zip(ctx.grads, grad_outputs, strict=False):
+            for i, grad in enumerate(stored):
+                if grad is not None:
+                    part = grad * scale.to(grad.dtype)
+                    total[i] = part if total[i] is None else total[i] + part
+        ctx.grads = None
+        return (None, *total)
+
+
+def _check_no_unlisted_weights(outputs: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """A trainable tensor the terms read but were not given would get no gradient at all: refuse it."""
+    listed = {id(t) for t in sources}
+    seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in listed:
+            raise ValueError(
+                f"the chunked vocabulary terms read a trainable tensor of shape {tuple(variable.shape)} that "
+                "was not passed in `parameters`; it would get no gradient. Add it to the parameters list"
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _accumulate(
+    buffers: list[Tensor | None],
+    index: int,
+    grad: Tensor | None,
+    source: Tensor,
+    rows: tuple[int, int] | None,
+) -> None:
+    """Add one chunk's gradient: into its rows for a per-block input, into the whole for a parameter."""
+    if grad is None:
+        return
+    if buffers[index] is None:
+        buffers[index] = torch.zeros_like(source)
+    if rows is None:
+        buffers[index] += grad
+    else:
+        buffers[index][rows[0] : rows[1]] = grad
+
+
+def _combine(results: list[tuple[Tensor, ...]]) -> list[Tensor]:
+    return [
+        torch.stack(parts).sum() if parts[0].dim() == 0 else torch.cat(parts)
+        for parts in zip(*results, strict=True)
+    ]
+
+
+def _pairs(bounds: list[int]) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -1,4 +1,5 @@
-"""Chunked, checkpointed vocabulary terms equal the one-piece computation, values and gradients."""
+"""Chunked vocabulary terms (gradients taken in forward) equal the one-piece computation under plain
+autograd, in every value and every gradient, and never run a chunk twice."""
 
 from __future__ import annotations
 
@@ -6,11 +7,6 @@ import pytest
 import torch
 
 from lightning_drafts.chunked_terms import chunk_bounds, over_chunks
-
-
-def terms(features: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = features @ weight
-    return torch.logsumexp(logits, -1).sum(), logits.argmax(-1)
 
 
 @pytest.mark.parametrize(("blocks", "size"), [(7, 3), (6, 3), (5, 1), (4, 9), (1, 2)])
@@ -21,20 +17,80 @@ def test_chunks_cover_every_block_once_with_the_remainder_first(blocks: int, siz
     assert all(s == size for s in sizes[1:]) and 0 < sizes[0] <= size
 
 
-@pytest.mark.parametrize("size", [None, 1, 2, 3, 5, 8])
-def test_chunked_terms_equal_one_piece_in_value_and_gradient(size: int | None):
+class Terms(torch.nn.Module):
+    """Two differentiable sums (one through a trainable head and an expanded per-block weight, one through
+    a second parameter), a summed scalar without gradient and a per-block argmax; counts its calls."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.head = torch.nn.Parameter(torch.randn(6, 11, generator=generator))
+        self.scale = torch.nn.Parameter(torch.randn(11, generator=generator))
+        self.frozen = torch.nn.Parameter(torch.randn(11, generator=generator), requires_grad=False)
+        self.calls = 0
+
+    def forward(self, features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+        self.calls += 1
+        logits = features @ (self.head + weight) + self.frozen
+        picked = logits.gather(-1, labels[..., None]).squeeze(-1)
+        return (
+            torch.logsumexp(logits, -1).sum() - picked.sum(),
+            (torch.tanh(logits) * self.scale).square().sum(),
+            (logits > 0).sum().float(),
+            logits.argmax(-1),
+        )
+
+
+def run(size: int | None, differentiable: int, coefficients: tuple[float, float] = (1.0, -0.5)):
     generator = torch.Generator().manual_seed(0)
-    features = torch.randn(7, 4, 6, generator=generator)
-    weight = torch.randn(6, 11, generator=generator)
+    terms = Terms(generator)
+    features = torch.randn(7, 4, 6, generator=generator).requires_grad_()
+    weight = torch.randn(6, 11, generator=generator).requires_grad_()
+    labels = torch.randint(0, 11, (7, 4), generator=generator)
+    per_block = (features, weight.expand(7, 6, 11), labels)
+    if differentiable == 1:
 
-    def run(chunk_blocks: int | None):
-        x, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
-        total, argmax = over_chunks(terms, chunk_blocks, x, w.expand(7, 6, 11))
-        total.backward()
-        return total.detach(), argmax, x.grad, w.grad
+        def mixed(*chunk):
+            first, second, *rest = terms(*chunk)
+            return (coefficients[0] * first + coefficients[1] * second, *rest)
 
-    reference, chunked = run(None), run(size)
+        total, count, argmax = over_chunks(mixed, size, per_block, terms.parameters(), differentiable=1)
+    else:
+        first, second, count, argmax = over_chunks(
+            terms, size, per_block, terms.parameters(), differentiable=2
+        )
+        # The coefficient of one output only known after every chunk (as DFlash2's selector weight).
+        total = coefficients[0] * first + coefficients[1] * second / count
+    total.backward()
+    grads = (features.grad, weight.grad, terms.head.grad, terms.scale.grad)
+    return (total.detach(), count, argmax, *grads), terms.calls
+
+
+@pytest.mark.parametrize("differentiable", [1, 2])
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_chunked_terms_equal_one_piece_in_value_and_every_gradient(size: int, differentiable: int):
+    reference, _ = run(None, differentiable)
+    chunked, calls = run(size, differentiable)
     torch.testing.assert_close(chunked[0], reference[0])
-    assert torch.equal(chunked[1], reference[1])
-    torch.testing.assert_close(chunked[2], reference[2])
-    torch.testing.assert_close(chunked[3], reference[3])
+    assert torch.equal(chunked[1], reference[1]) and torch.equal(chunked[2], reference[2])
+    for got, want in zip(chunked[3:], reference[3:], strict=True):
+        torch.testing.assert_close(got, want)
+    assert calls == len(chunk_bounds(7, size)) - 1  # one forward per chunk: nothing recomputed in backward
+
+
+def test_without_gradients_chunks_only_run_forward():
+    generator = torch.Generator().manual_seed(0)
+    terms = Terms(generator)
+    features, labels = torch.randn(5, 4, 6, generator=generator), torch.randint(0, 11, (5, 4))
+    with torch.no_grad():
+        first, second, count, argmax = over_chunks(
+            terms, 2, (features, torch.zeros(5, 6, 11), labels), terms.parameters(), differentiable=2
+        )
+    assert not first.requires_grad and argmax.shape == (5, 4) and terms.calls == 3
+
+
+def test_a_trainable_weight_missing_from_parameters_is_refused():
+    generator = torch.Generator().manual_seed(0)
+    terms = Terms(generator)
+    features, labels = torch.randn(5, 4, 6, requires_grad=True), torch.randint(0, 11, (5, 4))
+    with pytest.raises(ValueError, match=r"trainable tensor of shape \(11,\) .* not passed in `parameters`"):
+        over_chunks(terms, 2, (features, torch.zeros(5, 6, 11), labels), [terms.head], differentiable=2)

@@ -320,11 +320,12 @@ def test_loss_decreases_on_a_fixed_batch():
     assert last.metrics["ce_loss"] < first.metrics["ce_loss"]  # not only the confidence head learns
 
 
-def test_chunked_logits_equal_one_piece():
+@pytest.mark.parametrize("freeze_embeddings", [True, False], ids=["frozen-head", "trained-head-copy"])
+def test_chunked_logits_equal_one_piece(freeze_embeddings: bool):
     batch, _ = twins(ROWS, width=20)
     results = []
     for chunk in (None, 2):
-        module = make(logits_chunk_blocks=chunk)
+        module = make(logits_chunk_blocks=chunk, freeze_embeddings=freeze_embeddings)
         perturb(module)
         results.append(run(module, batch, fixed_anchors(module, batch, seed=4)))
     assert_same_results(*results)

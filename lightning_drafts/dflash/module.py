@@ -69,9 +69,9 @@ class DFlashModule(DraftModule):
         draft_overrides: optional draft ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` /
             ``intermediate_size`` (the hidden size always equals the target's).
         draft_seed: seed of the draft's initial weights.
-        logits_chunk_blocks: blocks whose logits exist at once. The loss over each chunk is recomputed
-            in backward (activation checkpointing), so ``[M, block_size - 1, V]`` logits never exist
-            whole; None computes them in one piece.
+        logits_chunk_blocks: blocks whose logits exist at once. Each chunk's loss is differentiated as
+            soon as it is computed and its logits freed (nothing recomputed), so ``[M, block_size - 1, V]``
+            logits never exist whole; None computes them in one piece under plain autograd.
         **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments (target backend / dtype /
             seed, optimiser, schedule, FSDP options). Learning rate 6e-4 and warmup 0.04 by default.
     """
@@ -231,10 +231,18 @@ class DFlashModule(DraftModule):
         logits = self._logits(states)
         return weighted_nll_sum(logits, labels, weights), logits.argmax(-1)
 
-    def _over_chunks(self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor) -> list[Tensor]:
+    def _over_chunks(
+        self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor, differentiable: int = 1
+    ) -> list[Tensor]:
         """Run ``terms`` on chunks of ``logits_chunk_blocks`` blocks: scalar outputs are summed, per-block
-        outputs concatenated. Each chunk's logits are recomputed in backward instead of kept."""
-        return over_chunks(terms, self.logits_chunk_blocks, *per_block)
+        outputs concatenated. Each chunk's backward runs as soon as its logits exist, which are then freed."""
+        return over_chunks(
+            terms, self.logits_chunk_blocks, per_block, self._head_parameters(), differentiable
+        )
+
+    def _head_parameters(self) -> list[Tensor]:
+        """The trainable weights the vocabulary terms read: none (the target's LM head is frozen)."""
+        return []
 
     def _weights(self, targets: BlockTargets) -> Tensor:
         decay = decay_weights(targets.labels.shape[1], self.loss_decay_gamma, targets.labels.device)
@@ -356,8 +364,13 @@ class DFlash2Module(DFlashModule):
         weights = self._weights(targets)
         # Teacher forcing: chain j follows the gold token at anchor + j (the anchor itself for j = 0).
         predecessors = packed.input_ids[layout.rows[:, None], layout.block_row_positions()[:, :-1]]
-        nll_sum, predicted, selector_sum, selector_weight, covered, picks, walk = self._over_chunks(
-            self._chunk_terms, chain_hidden(hidden, targets), targets.labels, weights, predecessors
+        nll_sum, selector_sum, predicted, selector_weight, covered, picks, walk = self._over_chunks(
+            self._chunk_terms,
+            chain_hidden(hidden, targets),
+            targets.labels,
+            weights,
+            predecessors,
+            differentiable=2,
         )
         base_loss = nll_sum / (weights.sum() + LOSS_EPS)
         selector_loss = selector_sum / (selector_weight + LOSS_EPS)
@@ -383,20 +396,37 @@ class DFlash2Module(DFlashModule):
     ) -> tuple[Tensor, ...]:
         logits = self._logits(states)
         selector = self.draft.candidate_selector
-        unary, candidates = logits.topk(self.selector_top_k, dim=-1)
+        unary, candidates = self._candidate_logits(states, logits)
         scores = selector.scores(states, unary, candidates, predecessors)
         selector_sum, selector_weight, covered = selector_cross_entropy(scores, candidates, labels, weights)
         picks = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         walk = selector.greedy_walk(states.detach(), unary.detach(), candidates, predecessors[:, 0])
         return (
             weighted_nll_sum(logits, labels, weights),
-            logits.argmax(-1),
             selector_sum,
+            logits.argmax(-1),
             selector_weight.detach(),
             covered,
             picks,
             walk,
         )
+
+    def _candidate_logits(self, states: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The top-``selector_top_k`` logits and their ids, differentiable through only those K rows of
+        the LM head: the selector loss (normalised by a sum known only after every chunk) then has its own
+        gradient without a second full-vocabulary backward. Values stay the top-k values themselves."""
+        values, candidates = logits.detach().topk(self.selector_top_k, dim=-1)
+        if not (torch.is_grad_enabled() and states.requires_grad):
+            return values, candidates
+        head = self.target.lm_head
+        rows = head.weight[candidates]
+        through_rows = (rows @ states.to(rows.dtype).unsqueeze(-1)).squeeze(-1)
+        if head.bias is not None:
+            through_rows = through_rows + head.bias[candidates]
+        return values + (through_rows - through_rows.detach()), candidates
+
+    def _head_parameters(self) -> list[Tensor]:
+        return [p for p in self.draft.candidate_selector.parameters() if p.requires_grad]
 
     def dflash_config(self) -> dict[str, Any]:
         kernel, group = self._conv

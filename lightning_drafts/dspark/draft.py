@@ -77,6 +77,24 @@ class DSparkDraft(DFlashDraft):
             module.weight.data.copy_(weight.detach())
             module.weight.requires_grad_(not freeze)
 
+    def forward(
+        self,
+        features: Tensor,
+        context_positions: Tensor,
+        block_tokens: Tensor,
+        block_positions: Tensor,
+        mask: Tensor | object,
+    ) -> Tensor:
+        """As :meth:`DFlashDraft.forward`, but the block slots come as token ids ``[M, bs]``, embedded here
+        with the draft's own copy: under FSDP2 the root's weights are unsharded only inside its forward."""
+        embeddings = self.embed_tokens(block_tokens)
+        return super().forward(features, context_positions, embeddings, block_positions, mask)
+
+    def head_parameters(self) -> list[Tensor]:
+        """The trainable weights :meth:`heads` reads (LM head copy when unfrozen, Markov and confidence heads)."""
+        heads = (self.lm_head, self.markov_head, self.confidence_head)
+        return [p for head in heads if head is not None for p in head.parameters() if p.requires_grad]
+
     def heads(self, hidden: Tensor, previous: Tensor) -> tuple[Tensor, Tensor | None]:
         """Markov-corrected logits ``[M, K, V]`` (model dtype) and fp32 confidence logits ``[M, K]`` (or None).
 

@@ -44,10 +44,10 @@ from lightning_drafts.dspark.objective import (
     LOSS_EPS,
     LossWeights,
     acceptance_probability,
-    combine_terms,
     confidence_bce,
     decay_weights,
     distribution_terms,
+    normalise,
 )
 from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
 from lightning_drafts.ratio_metric import Sums, ratio
@@ -81,8 +81,8 @@ class DSparkModule(DraftModule):
         draft_overrides: optional draft ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` /
             ``intermediate_size``.
         draft_seed: seed of the draft's initial weights.
-        logits_chunk_blocks: blocks whose ``[blocks, K, V]`` logits exist at once (recomputed in
-            backward); None = one piece.
+        logits_chunk_blocks: blocks whose ``[blocks, K, V]`` logits exist at once (each chunk is
+            differentiated as soon as it is computed, nothing recomputed); None = one piece.
         **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments. Learning rate 6e-4 by default.
 
     ``compute_loss`` returns a :class:`~lightning_drafts.draft_output.DraftOutput`: ``correct`` /
@@ -203,7 +203,7 @@ class DSparkModule(DraftModule):
         return self.draft(
             layout.gather_context(features),
             layout.gather_context(packed.position_ids),
-            self.draft.embed_tokens(tokens),
+            tokens,
             layout.block_position_ids(packed.position_ids),
             mask,
         )
@@ -213,17 +213,14 @@ class DSparkModule(DraftModule):
     ) -> DraftOutput:
         valid = supervision.valid
         weights = decay_weights(self.block_size, self.loss_decay_gamma, valid.device) * valid
-        ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
+        numerator, ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
             self._chunk_terms,
             self.logits_chunk_blocks,
-            hidden,
-            supervision.previous,
-            supervision.labels,
-            weights,
-            teacher_hidden,
+            (hidden, supervision.previous, supervision.labels, weights, teacher_hidden),
+            self.draft.head_parameters(),
         )
         weight_sum = weights.sum()
-        loss = combine_terms(ce_sum, tv_sum, conf_sum, weight_sum, self.loss_weights)
+        loss = normalise(numerator, weight_sum)
         sums = acceptance_sums(alpha, valid)
         if self.has_confidence_head:
             sums.update(confidence_sums(confidence, alpha, valid, weights))
@@ -245,10 +242,13 @@ class DSparkModule(DraftModule):
             conf_sum, confidence = ce.new_zeros(()), torch.zeros_like(alpha)
         else:
             conf_sum = (confidence_bce(confidence, alpha) * weights).sum()
+        ce_sum, tv_sum = (ce * weights).sum(), (l1 * weights).sum()
+        # One differentiable output: the weighted mix is known up front, so chunks backpropagate it once.
         return (
-            (ce * weights).sum(),
-            (l1 * weights).sum(),
-            conf_sum,
+            self.loss_weights.numerator(ce_sum, tv_sum, conf_sum),
+            ce_sum.detach(),
+            tv_sum.detach(),
+            conf_sum.detach(),
             logits.argmax(dim=-1),
             alpha,
             confidence.detach(),
@@ -268,7 +268,7 @@ class DSparkModule(DraftModule):
         trainable = [p for p in self.draft.parameters() if p.requires_grad]
         connected = torch.stack([p.sum() for p in trainable]).sum() * 0.0
         zero = torch.zeros((), device=device)
-        loss = combine_terms(connected, zero, zero, zero, self.loss_weights)
+        loss = normalise(self.loss_weights.numerator(connected, zero, zero), zero)
         empty = torch.zeros(0, self.block_size, dtype=torch.bool, device=device)
         sums = {name: (zero, zero) for name in self._ratio_names()}
         return self._output(loss, empty, empty.clone(), sums, dict.fromkeys(LOSS_TERMS, zero), 0)

@@ -30,11 +30,11 @@ __all__ = [
     "LOSS_EPS",
     "LossWeights",
     "acceptance_probability",
-    "combine_terms",
     "confidence_bce",
     "decay_weights",
     "distribution_terms",
     "global_weight_sum",
+    "normalise",
 ]
 
 
@@ -45,6 +45,10 @@ class LossWeights:
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+
+    def numerator(self, ce_sum: Tensor, tv_sum: Tensor, conf_sum: Tensor) -> Tensor:
+        """``a_ce * ce + a_tv * tv + a_conf * conf``: the loss before its (data-only) denominator."""
+        return self.ce * ce_sum + self.tv * tv_sum + self.conf * conf_sum
 
 
 def distribution_terms(draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,10 +89,8 @@ def global_weight_sum(local: Tensor) -> tuple[Tensor, int]:
     return total, world
 
 
-def combine_terms(
-    ce_sum: Tensor, tv_sum: Tensor, conf_sum: Tensor, weight_sum: Tensor, weights: LossWeights
-) -> Tensor:
-    """``W * (a_ce * ce + a_tv * tv + a_conf * conf) / (global sum w + 1e-6)`` (0 when nothing is supervised)."""
+def normalise(numerator: Tensor, weight_sum: Tensor) -> Tensor:
+    """``W * numerator / (global sum w + 1e-6)`` (0 when nothing is supervised); see
+    :meth:`LossWeights.numerator`."""
     denominator, world = global_weight_sum(weight_sum)
-    numerator = weights.ce * ce_sum + weights.tv * tv_sum + weights.conf * conf_sum
     return world * numerator / (denominator + LOSS_EPS)

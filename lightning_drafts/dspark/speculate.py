@@ -126,7 +126,7 @@ class DSparkSpeculator:
         return self.draft(
             self.context_features(prefix).to(device),
             torch.arange(context, device=device),
-            self.draft.embed_tokens(block)[None],
+            block[None],
             (context + offsets)[None],
             mask,
         )[0]

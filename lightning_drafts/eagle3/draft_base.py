@@ -96,6 +96,9 @@ class Eagle3Draft(nn.Module):
         midlayer: the decoder layer (it decides dense vs MLA attention).
     """
 
+    # The TTT unroll starts here instead of at `forward` (see DraftModule.configure_model).
+    fsdp_entry_method = "project_hidden_states"
+
     def __init__(
         self,
         vocab_size: int,

@@ -1,0 +1,103 @@
+"""One training step of every draft on 2 CPU processes (gloo); save each draft's full gradients.
+
+Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2)
+
+Writes ``OUT_DIR/{draft}.pt`` (the gradients and whether the target's layers were sharded). Under FSDP2
+(ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
+block drafts also chunk their vocabulary terms (gradients taken inside forward, handed to the weights
+FSDP2 unshards); under DDP they compute them in one piece. Same seeds and data, so the two strategies
+must save the same gradients.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
+
+from lightning_drafts import Eagle3Module
+from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
+from lightning_drafts.dspark.module import DSparkModule
+from lightning_drafts.eagle3.module import MLAEagle3Module
+from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
+from tests.builders import TINY_TARGETS, packed_row, stack_rows
+
+BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 3}
+DRAFTS = {
+    "eagle3": lambda chunk: Eagle3Module(TINY_TARGETS["llama"], ttt_length=3),
+    "mla_eagle3": lambda chunk: MLAEagle3Module(TINY_TARGETS["deepseek_v3"], ttt_length=3),
+    "dflash": lambda chunk: DFlashModule(TINY_TARGETS["qwen3"], logits_chunk_blocks=chunk, **BLOCK_DRAFT),
+    "dflash2": lambda chunk: DFlash2Module(
+        TINY_TARGETS["qwen3"], selector_rank=8, selector_top_k=4, logits_chunk_blocks=chunk, **BLOCK_DRAFT
+    ),
+    "dspark": lambda chunk: DSparkModule(
+        TINY_TARGETS["qwen3"],
+        markov_rank=8,
+        freeze_embeddings=False,
+        logits_chunk_blocks=chunk,
+        **BLOCK_DRAFT,
+    ),
+}
+
+
+class SaveGradients(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        grads = {}
+        for name, param in module.named_parameters():
+            if param.grad is not None:
+                grad = param.grad
+                grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+        layer = next(module.target.decoder_layers[0].parameters())
+        if trainer.is_global_zero:
+            torch.save({"grads": grads, "target_sharded": isinstance(layer, DTensor)}, self.out)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    rows = [stack_rows([packed_row(documents([9, 8, 3], seed=i), 24)]) for i in range(2)]
+    return torch.utils.data.DataLoader([{k: v[0] for k, v in r.items()} for r in rows], batch_size=1)
+
+
+def strategy_of(name: str) -> object:
+    if name == "ddp":
+        return "ddp"
+    return ModelParallelStrategy(
+        data_parallel_size=2,
+        tensor_parallel_size=1,
+        process_group_backend="gloo",
+        save_distributed_checkpoint=False,
+    )
+
+
+def step(out: Path, draft: str, strategy: str) -> None:
+    L.seed_everything(0)
+    module = DRAFTS[draft](2 if strategy == "fsdp2" else None)
+    # FSDP2 with every option on: target layers sharded, draft layers checkpointed.
+    module.hparams.shard_target = module.hparams.activation_checkpointing = strategy == "fsdp2"
+    with torch.no_grad():  # move the zero-initialised parts so every weight has a gradient
+        for param in module.parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn(param.shape))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy_of(strategy),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SaveGradients(out / f"{draft}.pt")],
+    )
+    trainer.fit(module, loader())
+
+
+if __name__ == "__main__":
+    for name in DRAFTS:
+        step(Path(sys.argv[1]), name, sys.argv[2])
