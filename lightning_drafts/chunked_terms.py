@@ -81,7 +81,9 @@ class _GradientInForward(torch.autograd.Function):
         results = []
         for start, stop in _pairs(plan.bounds):
             leaves = [t[start:stop].detach().requires_grad_(t.requires_grad) for t in per_block]
-            with torch.enable_grad():
+            # The chunk's own graph lives only until its gradients are taken below: keep it out of any
+            # saved-tensor hooks around this call (activation offloading, memory accounting).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 outputs = plan.terms(*leaves)
             sources = [(leaves + list(parameters))[i] for i in wanted]
             if start == 0:
@@ -96,20 +98,22 @@ class _GradientInForward(torch.autograd.Function):
                         grads[index], i, grad, inputs[i], (start, stop) if i < len(per_block) else None
                     )
             results.append(tuple(o.detach() for o in outputs))
-        ctx.grads = grads
+        # Saved as what they are, the tensors kept for backward, so saved-tensor hooks see them.
+        ctx.save_for_backward(*(grad for per_output in grads for grad in per_output))
+        ctx.num_inputs = len(inputs)
         combined = _combine(results)
         ctx.mark_non_differentiable(*combined[plan.differentiable :])
         return tuple(combined)
 
     @staticmethod
     def backward(ctx, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        total: list[Tensor | None] = [None] * len(ctx.grads[0])
-        for stored, scale in zip(ctx.grads, grad_outputs, strict=False):
-            for i, grad in enumerate(stored):
+        saved, width = ctx.saved_tensors, ctx.num_inputs
+        total: list[Tensor | None] = [None] * width
+        for output, scale in enumerate(grad_outputs[: len(saved) // width]):
+            for i, grad in enumerate(saved[output * width : (output + 1) * width]):
                 if grad is not None:
                     part = grad * scale.to(grad.dtype)
                     total[i] = part if total[i] is None else total[i] + part
-        ctx.grads = None
         return (None, *total)
 
 
@@ -147,6 +151,10 @@ def _accumulate(
         buffers[index] += grad
     else:
         buffers[index][rows[0] : rows[1]] = grad
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _combine(results: list[tuple[Tensor, ...]]) -> list[Tensor]:

@@ -94,3 +94,22 @@ def test_a_trainable_weight_missing_from_parameters_is_refused():
     features, labels = torch.randn(5, 4, 6, requires_grad=True), torch.randint(0, 11, (5, 4))
     with pytest.raises(ValueError, match=r"trainable tensor of shape \(11,\) .* not passed in `parameters`"):
         over_chunks(terms, 2, (features, torch.zeros(5, 6, 11), labels), [terms.head], differentiable=2)
+
+
+def test_saved_tensor_hooks_see_the_stored_gradients_not_the_chunks_logits():
+    generator = torch.Generator().manual_seed(0)
+    terms = Terms(generator)
+    features = torch.randn(6, 4, 6, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 11, (6, 4), generator=generator)
+    shapes = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        outputs = over_chunks(terms, 2, (features, torch.zeros(6, 6, 11), labels), terms.parameters(), 2)
+    assert (6, 4, 6) in shapes and (6, 11) in shapes  # the gradients kept for the features and the head
+    assert not [shape for shape in shapes if shape[-1:] == (11,) and len(shape) == 3]  # no chunk logits
+    (outputs[0] + outputs[1]).backward()
+    assert features.grad is not None and terms.head.grad is not None

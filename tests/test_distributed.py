@@ -50,9 +50,10 @@ def test_fsdp2_trains_saves_a_target_free_checkpoint_and_resumes(tmp_path):
 DRAFTS = ("eagle3", "mla_eagle3", "dflash", "dflash2", "dspark")
 
 
-def test_fsdp2_gradients_of_every_draft_equal_ddp(tmp_path):
-    """Every draft trains under FSDP2 with sharded target layers and checkpointed draft layers, and its
-    step's gradients are DDP's (the block drafts chunked and differentiated in forward under FSDP2)."""
+def test_fsdp2_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_path):
+    """Every draft trains under FSDP2 with sharded target layers and checkpointed draft layers: its
+    step's gradients and its saved weights are DDP's (the block drafts chunked and differentiated in
+    forward under FSDP2), the checkpoint holds no target weight, and a second step resumes from it."""
     for strategy in ("ddp", "fsdp2"):
         (tmp_path / strategy).mkdir()
         run_script("distributed_grads.py", str(tmp_path / strategy), strategy)
@@ -67,3 +68,12 @@ def test_fsdp2_gradients_of_every_draft_equal_ddp(tmp_path):
             torch.testing.assert_close(
                 fsdp2["grads"][name], grad, rtol=1e-5, atol=1e-5 * scale, msg=f"{draft} {name}"
             )
+        # The checkpoints hold the same draft (no target weights) after the step, and both resume.
+        saved = {s: torch.load(tmp_path / s / f"{draft}.ckpt", weights_only=False) for s in ("ddp", "fsdp2")}
+        assert not [k for k in saved["fsdp2"]["state_dict"] if k.startswith("target.")], draft
+        assert set(saved["fsdp2"]["state_dict"]) == set(saved["ddp"]["state_dict"]), draft
+        for name, value in saved["ddp"]["state_dict"].items():
+            torch.testing.assert_close(saved["fsdp2"]["state_dict"][name], value, rtol=1e-5, atol=1e-6)
+        for strategy in ("ddp", "fsdp2"):
+            resumed = torch.load(tmp_path / strategy / f"{draft}-resumed.ckpt", weights_only=False)
+            assert resumed["global_step"] == 2, (draft, strategy)

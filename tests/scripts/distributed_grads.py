@@ -2,7 +2,8 @@
 
 Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2)
 
-Writes ``OUT_DIR/{draft}.pt`` (the gradients and whether the target's layers were sharded). Under FSDP2
+Writes ``OUT_DIR/{draft}.pt`` (the gradients and whether the target's layers were sharded), the
+checkpoint after that step and the checkpoint of a second step resumed from it. Under FSDP2
 (ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
 block drafts also chunk their vocabulary terms (gradients taken inside forward, handed to the weights
 FSDP2 unshards); under DDP they compute them in one piece. Same seeds and data, so the two strategies
@@ -75,7 +76,7 @@ def strategy_of(name: str) -> object:
     )
 
 
-def step(out: Path, draft: str, strategy: str) -> None:
+def build(draft: str, strategy: str) -> L.LightningModule:
     L.seed_everything(0)
     module = DRAFTS[draft](2 if strategy == "fsdp2" else None)
     # FSDP2 with every option on: target layers sharded, draft layers checkpointed.
@@ -84,20 +85,34 @@ def step(out: Path, draft: str, strategy: str) -> None:
         for param in module.parameters():
             if param.requires_grad:
                 param.add_(0.05 * torch.randn(param.shape))
-    trainer = L.Trainer(
+    return module
+
+
+def trainer(strategy: str, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+    return L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy_of(strategy),
-        max_steps=1,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[SaveGradients(out / f"{draft}.pt")],
+        callbacks=callbacks,
     )
-    trainer.fit(module, loader())
+
+
+def step_save_resume(out: Path, draft: str, strategy: str) -> None:
+    """One step (gradients saved), a checkpoint (``{draft}.ckpt``), then a resumed second step
+    (``{draft}-resumed.ckpt``)."""
+    first = trainer(strategy, 1, [SaveGradients(out / f"{draft}.pt")])
+    first.fit(build(draft, strategy), loader())
+    first.save_checkpoint(out / f"{draft}.ckpt")
+    second = trainer(strategy, 2, [])
+    second.fit(build(draft, strategy), loader(), ckpt_path=out / f"{draft}.ckpt")
+    second.save_checkpoint(out / f"{draft}-resumed.ckpt")
 
 
 if __name__ == "__main__":
     for name in DRAFTS:
-        step(Path(sys.argv[1]), name, sys.argv[2])
+        step_save_resume(Path(sys.argv[1]), name, sys.argv[2])
