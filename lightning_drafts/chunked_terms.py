@@ -100,7 +100,7 @@ class _GradientInForward(torch.autograd.Function):
             results.append(tuple(o.detach() for o in outputs))
         # Saved as what they are, the tensors kept for backward, so saved-tensor hooks see them.
         ctx.save_for_backward(*(grad for per_output in grads for grad in per_output))
-        ctx.num_inputs = len(inputs)
+        ctx.num_inputs, ctx.dtypes = len(inputs), [t.dtype for t in inputs]
         combined = _combine(results)
         ctx.mark_non_differentiable(*combined[plan.differentiable :])
         return tuple(combined)
@@ -114,7 +114,10 @@ class _GradientInForward(torch.autograd.Function):
                 if grad is not None:
                     part = grad * scale.to(grad.dtype)
                     total[i] = part if total[i] is None else total[i] + part
-        return (None, *total)
+        return (
+            None,
+            *(None if g is None else g.to(dtype) for g, dtype in zip(total, ctx.dtypes, strict=True)),
+        )
 
 
 def _check_no_unlisted_weights(outputs: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
@@ -142,11 +145,13 @@ def _accumulate(
     source: Tensor,
     rows: tuple[int, int] | None,
 ) -> None:
-    """Add one chunk's gradient: into its rows for a per-block input, into the whole for a parameter."""
+    """Add one chunk's gradient: into its rows for a per-block input, into the whole for a parameter
+    (summed in fp32 at least: a bf16 running sum over chunks would lose what one matmul keeps)."""
     if grad is None:
         return
     if buffers[index] is None:
-        buffers[index] = torch.zeros_like(source)
+        dtype = source.dtype if rows is not None else torch.promote_types(source.dtype, torch.float32)
+        buffers[index] = torch.zeros_like(source, dtype=dtype)
     if rows is None:
         buffers[index] += grad
     else:

@@ -113,3 +113,19 @@ def test_saved_tensor_hooks_see_the_stored_gradients_not_the_chunks_logits():
     assert not [shape for shape in shapes if shape[-1:] == (11,) and len(shape) == 3]  # no chunk logits
     (outputs[0] + outputs[1]).backward()
     assert features.grad is not None and terms.head.grad is not None
+
+
+def test_bf16_gradients_keep_their_dtype_and_match_fp32():
+    def grads(dtype: torch.dtype, size: int | None) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        terms = Terms(generator).to(dtype)
+        features = torch.randn(8, 4, 6, generator=generator).to(dtype).requires_grad_()
+        labels = torch.randint(0, 11, (8, 4), generator=generator)
+        per_block = (features, torch.zeros(8, 6, 11, dtype=dtype), labels)
+        first, second, *_ = over_chunks(terms, size, per_block, terms.parameters(), differentiable=2)
+        (first - 0.5 * second).backward()
+        return [features.grad, terms.head.grad, terms.scale.grad]
+
+    for got, want in zip(grads(torch.bfloat16, 2), grads(torch.float32, None), strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * want.abs().max().item())
