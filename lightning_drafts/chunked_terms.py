@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.autograd.graph import get_gradient_edge
 
 Terms = Callable[..., tuple[Tensor, ...]]
 
@@ -39,13 +41,15 @@ def over_chunks(
     ``terms`` returns its ``differentiable`` scalar outputs first (summed over chunks, with gradients
     to the floating ``per_block`` inputs and to ``parameters``, the trainable weights it uses), then
     outputs without gradients: scalars are summed over chunks, per-block tensors concatenated in block
-    order. Weights ``terms`` reads but ``parameters`` lacks get no gradient, so pass every trainable
-    parameter of the modules it calls (unused ones cost nothing).
+    order. Pass every trainable parameter of the modules it calls (unused ones cost nothing): a
+    trainable tensor ``terms`` reads but ``parameters`` lacks raises a ValueError when chunked.
+    Trainable parameters' gradients are kept in fp32 (at least) from forward to backward.
     """
     per_block = tuple(per_block)
     blocks = per_block[0].shape[0]
     bounds = chunk_bounds(blocks, chunk_blocks or blocks)
-    trainable = tuple(p for p in parameters if p.requires_grad)
+    # Each tensor once: a parameter listed twice would receive its gradient twice.
+    trainable = tuple({id(p): p for p in parameters if p.requires_grad}.values())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*per_block, *trainable))
     if chunk_blocks is None or not needs_grad:
         results = [terms(*(t[start:stop] for t in per_block)) for start, stop in _pairs(bounds)]
@@ -88,16 +92,19 @@ class _GradientInForward(torch.autograd.Function):
             sources = [(leaves + list(parameters))[i] for i in wanted]
             if start == 0:
                 _check_no_unlisted_weights(outputs[: plan.differentiable], sources)
-            for index, output in enumerate(outputs[: plan.differentiable]):
-                if not output.requires_grad:
-                    continue
-                last = index == plan.differentiable - 1
-                chunk_grads = torch.autograd.grad(output, sources, retain_graph=not last, allow_unused=True)
+            live = [i for i, o in enumerate(outputs[: plan.differentiable]) if o.requires_grad]
+            for index in live:
+                # The last backward frees the chunk's graph (its logits) before the next chunk runs.
+                chunk_grads = torch.autograd.grad(
+                    outputs[index], sources, retain_graph=index != live[-1], allow_unused=True
+                )
                 for i, grad in zip(wanted, chunk_grads, strict=True):
                     _accumulate(
                         grads[index], i, grad, inputs[i], (start, stop) if i < len(per_block) else None
                     )
+                del chunk_grads
             results.append(tuple(o.detach() for o in outputs))
+            del outputs, leaves, sources
         # Saved as what they are, the tensors kept for backward, so saved-tensor hooks see them.
         ctx.save_for_backward(*(grad for per_output in grads for grad in per_output))
         ctx.num_inputs, ctx.dtypes = len(inputs), [t.dtype for t in inputs]
@@ -106,13 +113,15 @@ class _GradientInForward(torch.autograd.Function):
         return tuple(combined)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         saved, width = ctx.saved_tensors, ctx.num_inputs
         total: list[Tensor | None] = [None] * width
         for output, scale in enumerate(grad_outputs[: len(saved) // width]):
             for i, grad in enumerate(saved[output * width : (output + 1) * width]):
                 if grad is not None:
-                    part = grad * scale.to(grad.dtype)
+                    # The scale stays fp32: rounding it to a bf16 gradient's dtype would skew the outputs' mix.
+                    part = grad * scale.float() if grad.is_floating_point() else grad
                     total[i] = part if total[i] is None else total[i] + part
         return (
             None,
@@ -121,12 +130,17 @@ class _GradientInForward(torch.autograd.Function):
 
 
 def _check_no_unlisted_weights(outputs: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
-    """A trainable tensor the terms read but were not given would get no gradient at all: refuse it."""
+    """A trainable tensor the terms read but were not given would get no gradient at all: refuse it.
+
+    The walk stops at the given tensors' own gradient edges: a given weight may itself be a view of
+    something else (FSDP1 with ``use_orig_params`` hands out views of its flat parameter).
+    """
     listed = {id(t) for t in sources}
+    given = {get_gradient_edge(t).node for t in sources}
     seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
+        if node is None or node in seen or node in given:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)

@@ -129,3 +129,25 @@ def test_bf16_gradients_keep_their_dtype_and_match_fp32():
     for got, want in zip(grads(torch.bfloat16, 2), grads(torch.float32, None), strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
+def test_weights_that_are_views_count_as_given_and_a_weight_given_twice_counts_once():
+    """FSDP1 (use_orig_params) hands modules views of one flat parameter: such a view is a given weight,
+    not an unlisted one, and gets the one-piece gradient; listing a weight twice does not double it."""
+    generator = torch.Generator().manual_seed(0)
+    flat = torch.randn(66, generator=generator, requires_grad=True)
+    features = torch.randn(5, 4, 6, generator=generator)
+
+    def run(size: int | None) -> torch.Tensor:
+        flat.grad = None
+        head = flat.view(6, 11)
+
+        def terms(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = chunk @ head
+            return torch.logsumexp(logits, -1).sum(), logits.argmax(-1)
+
+        total, _ = over_chunks(terms, size, (features,), [head, head])
+        total.backward()
+        return flat.grad.clone()
+
+    torch.testing.assert_close(run(2), run(None))
