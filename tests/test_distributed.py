@@ -53,7 +53,8 @@ DRAFTS = ("eagle3", "mla_eagle3", "dflash", "dflash2", "dspark")
 def test_fsdp2_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_path):
     """Every draft trains under FSDP2 with sharded target layers and checkpointed draft layers: its
     step's gradients and its saved weights are DDP's (the block drafts chunked and differentiated in
-    forward under FSDP2), the checkpoint holds no target weight, and a second step resumes from it."""
+    forward under FSDP2), its validation metrics are DDP's, the checkpoint holds no target weight, and a
+    second step resumes from it."""
     for strategy in ("ddp", "fsdp2"):
         (tmp_path / strategy).mkdir()
         run_script("distributed_grads.py", str(tmp_path / strategy), strategy)
@@ -77,3 +78,7 @@ def test_fsdp2_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_path):
         for strategy in ("ddp", "fsdp2"):
             resumed = torch.load(tmp_path / strategy / f"{draft}-resumed.ckpt", weights_only=False)
             assert resumed["global_step"] == 2, (draft, strategy)
+        val = {s: json.loads((tmp_path / s / f"{draft}-val.json").read_text()) for s in ("ddp", "fsdp2")}
+        assert val["fsdp2"].keys() == val["ddp"].keys() and "val/loss" in val["ddp"], draft
+        for name, value in val["ddp"].items():
+            assert val["fsdp2"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (draft, name)

@@ -3,7 +3,8 @@
 Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2)
 
 Writes ``OUT_DIR/{draft}.pt`` (the gradients and whether the target's layers were sharded), the
-checkpoint after that step and the checkpoint of a second step resumed from it. Under FSDP2
+validation metrics and the checkpoint after that step, and the checkpoint of a second step resumed
+from it. Under FSDP2
 (ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
 block drafts also chunk their vocabulary terms (gradients taken inside forward, handed to the weights
 FSDP2 unshards); under DDP they compute them in one piece. Same seeds and data, so the two strategies
@@ -12,6 +13,7 @@ must save the same gradients.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -103,10 +105,15 @@ def trainer(strategy: str, steps: int, callbacks: list[L.Callback]) -> L.Trainer
 
 
 def step_save_resume(out: Path, draft: str, strategy: str) -> None:
-    """One step (gradients saved), a checkpoint (``{draft}.ckpt``), then a resumed second step
-    (``{draft}-resumed.ckpt``)."""
+    """One step (gradients saved), validation of the stepped draft (``{draft}-val.json``), a checkpoint
+    (``{draft}.ckpt``), then a resumed second step (``{draft}-resumed.ckpt``)."""
     first = trainer(strategy, 1, [SaveGradients(out / f"{draft}.pt")])
-    first.fit(build(draft, strategy), loader())
+    module = build(draft, strategy)
+    first.fit(module, loader())
+    L.seed_everything(1)  # the same anchors on each rank under both strategies
+    (metrics,) = first.validate(module, loader(), verbose=False)
+    if first.is_global_zero:
+        (out / f"{draft}-val.json").write_text(json.dumps({k: float(v) for k, v in metrics.items()}))
     first.save_checkpoint(out / f"{draft}.ckpt")
     second = trainer(strategy, 2, [])
     second.fit(build(draft, strategy), loader(), ckpt_path=out / f"{draft}.ckpt")
