@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,3 +84,30 @@ def test_fsdp2_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_path):
         assert val["fsdp2"].keys() == val["ddp"].keys() and "val/loss" in val["ddp"], draft
         for name, value in val["ddp"].items():
             assert val["fsdp2"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (draft, name)
+
+
+FSDP2_RECIPES = sorted(
+    path
+    for path in (ROOT / "configs" / "recipes").glob("*.yaml")
+    # FSDP1 refuses CPU devices ("FSDP needs a non-CPU accelerator device"): GPU only.
+    if "FSDPStrategy" not in path.read_text()
+)
+
+
+def test_every_fsdp2_recipe_fits_on_cpu_in_bf16(tmp_path):
+    """Each GPU recipe as shipped (FSDP2, bf16-true, its draft hyperparameters and callbacks) with only
+    the target, data, accelerator and run length shrunk, through `lightning-drafts fit` on 2 processes."""
+    assert len(FSDP2_RECIPES) == 5
+    run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES), timeout=600)
+    for recipe in FSDP2_RECIPES:
+        (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/*.ckpt")
+        checkpoint = torch.load(best, weights_only=False)
+        assert checkpoint["global_step"] == 2, recipe.stem
+        state = checkpoint["state_dict"]
+        assert state and not [k for k in state if k.startswith("target.")], recipe.stem
+        floating = [v for v in state.values() if v.is_floating_point() and v.numel() > 1]
+        assert all(v.dtype == torch.bfloat16 for v in floating), recipe.stem
+        events = EventAccumulator(str(best.parents[1]))
+        events.Reload()
+        assert {"train/loss", "val/loss", "val/accept_len"} <= set(events.Tags()["scalars"]), recipe.stem
+        assert all(math.isfinite(e.value) for e in events.Scalars("train/loss")), recipe.stem
