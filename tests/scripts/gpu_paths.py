@@ -75,6 +75,7 @@ def block_draft(name: str, backend: str, device: str) -> torch.nn.Module:
         num_anchors=3,
         target_attn_backend=backend,
         draft_attn_backend=backend,
+        logits_chunk_blocks=2,  # several chunks: gradients taken in forward, on the GPU too
         **BLOCK_SIZES.get(name, {}),
     )
     perturb(module)
