@@ -59,9 +59,16 @@ class AcceptanceCallback(L.Callback):
             return None
         stats = metric.compute()
         for name, value in stats.items():
-            # compute() already summed over ranks; a second reduction would double count.
+            # compute() already summed over ranks, so every rank holds this same value: a max over ranks
+            # returns it exactly (a sum would double count) and tells Lightning it is synchronised.
             pl_module.log(
-                f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, prog_bar=name == "accept_len"
+                f"{stage}/{name}",
+                value,
+                on_step=on_step,
+                on_epoch=not on_step,
+                prog_bar=name == "accept_len",
+                sync_dist=not on_step,
+                reduce_fx="max",
             )
         metric.reset()
         return stats

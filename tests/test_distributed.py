@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: str, timeout: int = 300) -> None:
+def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scripts" / script), *args],
@@ -27,11 +27,14 @@ def run_script(script: str, *args: str, timeout: int = 300) -> None:
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
 
 
 def test_ddp_metrics_equal_the_single_process_reference(tmp_path):
     run_script("ddp_validate.py", str(tmp_path / "one.json"), "1")
-    run_script("ddp_validate.py", str(tmp_path / "two.json"), "2")
+    two_processes = run_script("ddp_validate.py", str(tmp_path / "two.json"), "2")
+    # Values already reduced across ranks are logged as such: no "use sync_dist=True" warning.
+    assert "sync_dist=True" not in two_processes.stdout + two_processes.stderr
     one = json.loads((tmp_path / "one.json").read_text())
     two = json.loads((tmp_path / "two.json").read_text())
     for key in ("val/accept_len", "val/acc_pos0", "val/valid_tokens"):
