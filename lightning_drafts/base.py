@@ -42,7 +42,8 @@ class DraftModule(L.LightningModule):
         warmup_ratio, min_lr_ratio: the warmup-cosine schedule over the run's optimizer steps.
         shard_target: under ``ModelParallelStrategy`` (FSDP2), shard the target per decoder layer
             instead of replicating it on every rank (for targets that do not fit one device).
-        activation_checkpointing: recompute each draft layer's activations in backward (FSDP2).
+        activation_checkpointing: recompute each draft decoder layer's activations in backward (any
+            strategy; not EAGLE-3, whose one layer appends to the TTT cache as it runs).
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
@@ -151,23 +152,29 @@ class DraftModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy``: shard each draft layer, then each draft root module.
+        """Activation checkpointing of the draft layers (any strategy), then FSDP2 under
+        ``ModelParallelStrategy``: shard each draft layer, then each draft root module.
 
         The frozen target is replicated (it has no gradients or optimizer state to shard) unless
         ``shard_target``, which shards it per decoder layer for targets too large for one device.
         """
-        mesh = self.device_mesh
-        if mesh is None or getattr(self, "_fsdp_applied", False):
+        if getattr(self, "_model_configured", False):
             return
-        from torch.distributed._composable import checkpoint
+        self._model_configured = True
+        draft_roots = [child for name, child in self.named_children() if name != "target"]
+        if self.hparams.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for layer in (layer for root in draft_roots for layer in _repeated_layers(root)):
+                checkpoint(layer)
+        if self.device_mesh is not None:
+            self._shard(draft_roots, self.device_mesh["data_parallel"])
+
+    def _shard(self, draft_roots: list[torch.nn.Module], data_parallel: Any) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-        data_parallel = mesh["data_parallel"]
-        draft_roots = [child for name, child in self.named_children() if name != "target"]
         for root in draft_roots:
             for layer in _repeated_layers(root):
-                if self.hparams.activation_checkpointing:
-                    checkpoint(layer)
                 fully_shard(layer, mesh=data_parallel)
             if any(p.requires_grad for p in root.parameters()):
                 fully_shard(root, mesh=data_parallel)
@@ -185,7 +192,6 @@ class DraftModule(L.LightningModule):
             # forward, and frozen weights need no gradient reduction.
             for layer in self.target.decoder_layers:
                 fully_shard(layer, mesh=data_parallel, reshard_after_forward=True)
-        self._fsdp_applied = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # `lightning-drafts export` rebuilds the right family from the checkpoint alone.

@@ -138,6 +138,8 @@ def check_guards(module_class: type[Eagle3Base], target: dict) -> None:
         module_class(target, loss_decay_gamma=0.0)
     with pytest.raises(ValueError, match="draft_attn_backend"):
         module_class(target, draft_attn_backend="flash")
+    with pytest.raises(ValueError, match="activation_checkpointing=True .* TTT cache"):
+        module_class(target, activation_checkpointing=True)
     with pytest.raises(ValueError, match="token_frequencies"):
         module_class(target, draft_vocab_size=16, token_frequencies=torch.ones(VOCAB - 1, dtype=torch.long))
 

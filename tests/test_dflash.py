@@ -190,6 +190,27 @@ def test_flex_block_mask_path_matches_sdpa_on_cpu():
     assert torch.equal(outputs[1].correct, outputs[0].correct)
 
 
+def test_activation_checkpointing_recomputes_draft_layers_without_fsdp_and_changes_nothing():
+    batch, _ = twins(ROWS, width=20)
+    anchors = sample_anchors(validate_batch(batch), BLOCK, 3, generator=torch.Generator().manual_seed(4))
+    results, calls = [], []
+    for checkpointing in (False, True):
+        module = make(activation_checkpointing=checkpointing)
+        perturb(module)
+        module.configure_model()  # what every Lightning strategy calls; no device mesh here
+        layer, count = module.draft.layers[0], [0]
+
+        def counted(*args, _forward=layer.forward, _count=count, **kwargs):
+            _count[0] += 1
+            return _forward(*args, **kwargs)
+
+        layer.forward = counted
+        results.append(run(module, batch, anchors))
+        calls.append(count[0])
+    assert_same_results(*results)
+    assert calls == [1, 2]  # checkpointed: run again in backward
+
+
 def test_chunked_logits_equal_one_piece():
     batch, _ = twins(ROWS, width=20)
     anchors = sample_anchors(validate_batch(batch), BLOCK, 3, generator=torch.Generator().manual_seed(4))

@@ -70,6 +70,12 @@ class Eagle3Base(DraftModule):
     ) -> None:
         _check_ttt_length(ttt_length)
         _check_gamma(loss_decay_gamma)
+        if kwargs.get("activation_checkpointing"):
+            raise ValueError(
+                "activation_checkpointing=True is not supported for EAGLE-3: its single layer runs once per "
+                "TTT step and appends to the TTT cache as it runs, so recomputing it in backward would corrupt "
+                "the cache; set activation_checkpointing: false"
+            )
         _check_draft_backend(draft_attn_backend)
         if draft_vocab_size is not None:
             # Type and sign only, before the (possibly large) target is loaded; V is checked below.

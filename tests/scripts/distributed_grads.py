@@ -29,6 +29,7 @@ from lightning_drafts.eagle3.module import MLAEagle3Module
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.builders import TINY_TARGETS, packed_row, stack_rows
 
+EAGLE3 = ("eagle3", "mla_eagle3")
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 3}
 DRAFTS = {
     "eagle3": lambda chunk: Eagle3Module(TINY_TARGETS["llama"], ttt_length=3),
@@ -81,8 +82,10 @@ def strategy_of(name: str) -> object:
 def build(draft: str, strategy: str) -> L.LightningModule:
     L.seed_everything(0)
     module = DRAFTS[draft](2 if strategy == "fsdp2" else None)
-    # FSDP2 with every option on: target layers sharded, draft layers checkpointed.
-    module.hparams.shard_target = module.hparams.activation_checkpointing = strategy == "fsdp2"
+    # FSDP2 with every option on: target layers sharded, draft layers checkpointed (block drafts;
+    # EAGLE-3 refuses checkpointing).
+    module.hparams.shard_target = strategy == "fsdp2"
+    module.hparams.activation_checkpointing = strategy == "fsdp2" and draft not in EAGLE3
     with torch.no_grad():  # move the zero-initialised parts so every weight has a gradient
         for param in module.parameters():
             if param.requires_grad:
