@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_drafts.cli import main, run_cli
@@ -55,6 +56,30 @@ def test_a_misspelled_config_key_names_the_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli([*short_fit(QUICKSTARTS[0], tmp_path), "--model.init_args.ttt_lenght=3"])
     assert "ttt_lenght" in capsys.readouterr().err
+
+
+# (learning_rate, warmup_ratio) each family documents as its default.
+FAMILY_DEFAULTS = {
+    "lightning_drafts.Eagle3Module": (1e-4, 0.05),
+    "lightning_drafts.MLAEagle3Module": (1e-4, 0.05),
+    "lightning_drafts.DFlashModule": (6e-4, 0.04),
+    "lightning_drafts.DFlash2Module": (6e-4, 0.04),
+    "lightning_drafts.DSparkModule": (6e-4, 0.05),
+}
+
+
+@pytest.mark.parametrize("config", QUICKSTARTS, ids=lambda p: p.stem)
+def test_a_config_without_a_learning_rate_gets_the_family_default(config, tmp_path, capsys):
+    data = yaml.safe_load(config.read_text())
+    for key in ("learning_rate", "warmup_ratio"):
+        data["model"]["init_args"].pop(key, None)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit):
+        run_cli(["fit", f"--config={path}", "--print_config"])
+    resolved = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    expected = FAMILY_DEFAULTS[data["model"]["class_path"]]
+    assert (resolved["learning_rate"], resolved["warmup_ratio"]) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("config", RECIPES, ids=lambda p: p.stem)

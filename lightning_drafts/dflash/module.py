@@ -94,11 +94,15 @@ class DFlashModule(DraftModule):
         draft_overrides: dict[str, int] | None = None,
         draft_seed: int = 0,
         logits_chunk_blocks: int | None = 128,
+        learning_rate: float = 6e-4,
+        warmup_ratio: float = 0.04,
         **base_kwargs: Any,
     ) -> None:
-        base_kwargs.setdefault("learning_rate", 6e-4)
-        base_kwargs.setdefault("warmup_ratio", 0.04)
-        super().__init__(target=target, **base_kwargs)
+        # In the signature, not set by default inside: the CLI reads defaults from signatures and would
+        # otherwise pass the base class's.
+        super().__init__(
+            target=target, learning_rate=learning_rate, warmup_ratio=warmup_ratio, **base_kwargs
+        )
         check_positive_int("num_draft_layers", num_draft_layers)
         check_positive_int("num_anchors", num_anchors)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:

@@ -113,6 +113,7 @@ class DSparkModule(DraftModule):
         draft_overrides: dict[str, int] | None = None,
         draft_seed: int = 0,
         logits_chunk_blocks: int | None = 128,
+        learning_rate: float = 6e-4,
         **base_kwargs: Any,
     ) -> None:
         # Cheap checks first: a real target takes minutes to load.
@@ -130,8 +131,8 @@ class DSparkModule(DraftModule):
             draft_attn_backend=draft_attn_backend,
             logits_chunk_blocks=logits_chunk_blocks,
         )
-        base_kwargs.setdefault("learning_rate", 6e-4)
-        super().__init__(target=target, **base_kwargs)
+        # In the signature, not set by default inside: the CLI reads defaults from signatures.
+        super().__init__(target=target, learning_rate=learning_rate, **base_kwargs)
         self.mask_token_id = check_mask_token_id(mask_token_id, self.target.vocab_size)
         num_layers = self.target.num_layers
         if target_layer_ids is None:
