@@ -413,6 +413,7 @@ def test_runs_against_every_tiny_target_family(target_config):
         ({"markov_rank": 0}, "confidence_head_with_markov=True needs a Markov head"),
         ({"loss_decay_gamma": 0.0}, "loss_decay_gamma = 0.0"),
         ({"draft_attn_backend": "flash"}, "draft_attn_backend 'flash'"),
+        ({"mask_token_id": 5, "pad_token_id": 5}, "mask_token_id = 5 is also the tokenizer's pad_token_id"),
         ({"logits_chunk_blocks": 0}, "logits_chunk_blocks = 0"),
         ({"target_layer_ids": [1, 8]}, r"offending: \[8\]"),
         ({"target_layer_ids": [-2, 3]}, r"offending: \[-2\]"),

@@ -41,7 +41,7 @@ from lightning_drafts.dflash.objective import (
 )
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.draft_output import DraftOutput
-from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int, special_token_ids
 from lightning_drafts.ratio_metric import ratio
 from lightning_drafts.target import TargetSpec
 
@@ -100,16 +100,18 @@ class DFlashModule(DraftModule):
     ) -> None:
         # In the signature, not set by default inside: the CLI reads defaults from signatures and would
         # otherwise pass the base class's.
-        super().__init__(
-            target=target, learning_rate=learning_rate, warmup_ratio=warmup_ratio, **base_kwargs
-        )
+        super().__init__(target=target, learning_rate=learning_rate, warmup_ratio=warmup_ratio, **base_kwargs)
         check_positive_int("num_draft_layers", num_draft_layers)
         check_positive_int("num_anchors", num_anchors)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(
                 f"block_size = {block_size!r} must be an int >= 2 (the anchor plus drafted slots)"
             )
-        self.mask_token_id = check_mask_token_id(mask_token_id, self.target.vocab_size)
+        self.mask_token_id = check_mask_token_id(
+            mask_token_id,
+            self.target.vocab_size,
+            special_token_ids(self.target.text_config, self.hparams.get("pad_token_id")),
+        )
         if loss_decay_gamma is not None and not loss_decay_gamma > 0:
             raise ValueError(
                 f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform weights"
