@@ -160,6 +160,11 @@ class DraftModule(L.LightningModule):
         """
         if getattr(self, "_model_configured", False):
             return
+        if self.hparams.shard_target and self.device_mesh is None:
+            raise ValueError(
+                "shard_target=True needs ModelParallelStrategy (FSDP2), but this run has no device mesh; use "
+                "that strategy or set shard_target: false (FSDPStrategy wraps the target by its auto_wrap_policy)"
+            )
         self._model_configured = True
         draft_roots = [child for name, child in self.named_children() if name != "target"]
         if self.hparams.activation_checkpointing:

@@ -25,6 +25,17 @@ class DraftCLI(LightningCLI):
         )
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
 
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
+        # dropped without a word and the module's own AdamW + warmup-cosine would run.
+        if config.get("lr_scheduler") and not config.get("optimizer"):
+            raise ValueError(
+                f"lr_scheduler {config['lr_scheduler'].get('class_path')!r} is set without an optimizer, so it "
+                "would be ignored; set `optimizer:` too (the model's learning_rate, betas, weight_decay, "
+                "warmup_ratio and min_lr_ratio then no longer apply) or drop lr_scheduler"
+            )
+
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``lightning-drafts`` and ``python -m lightning_drafts``."""

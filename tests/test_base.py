@@ -131,3 +131,9 @@ def test_sums_for_an_unregistered_ratio_are_refused(tmp_path):
     module = RatioProbe(TINY_TARGETS["llama"], register=False)
     with pytest.raises(ValueError, match="'hit_rate'.*register_ratio_metrics"):
         trainer(tmp_path, logger=False).validate(module, loader())
+
+
+def test_shard_target_without_fsdp2_is_refused(tmp_path):
+    module = NextTokenProbe(TINY_TARGETS["llama"], shard_target=True)
+    with pytest.raises(ValueError, match="shard_target=True needs ModelParallelStrategy"):
+        trainer(tmp_path, logger=False, max_steps=1).fit(module, loader())

@@ -58,6 +58,12 @@ def test_a_misspelled_config_key_names_the_key(tmp_path, capsys):
     assert "ttt_lenght" in capsys.readouterr().err
 
 
+def test_a_scheduler_without_an_optimizer_is_refused(tmp_path):
+    args = [*short_fit(QUICKSTARTS[0], tmp_path), "--lr_scheduler=torch.optim.lr_scheduler.ConstantLR"]
+    with pytest.raises(ValueError, match="'torch.optim.lr_scheduler.ConstantLR' is set without an optimizer"):
+        run_cli(args)
+
+
 # (learning_rate, warmup_ratio) each family documents as its default.
 FAMILY_DEFAULTS = {
     "lightning_drafts.Eagle3Module": (1e-4, 0.05),
