@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,25 @@ def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None
 
     init_args = dict(((config.get("data") or {}).get("init_args")) or {})
     if parsed is not None and parsed.data_files is not None:
-        init_args = {"data_files": parsed.data_files, "tokenizer": parsed.tokenizer}
-        init_args["val_fraction"] = parsed.val_fraction
-    if init_args.get("val_data_files") is None:
-        init_args.setdefault("val_fraction", DEFAULT_VAL_FRACTION)
+        # New chat files, tokenised as the config's training was (its tokenizer and chat template).
+        init_args = {
+            "data_files": parsed.data_files,
+            "tokenizer": parsed.tokenizer or init_args.get("tokenizer"),
+            **({"chat_template": init_args["chat_template"]} if init_args.get("chat_template") else {}),
+            "val_fraction": parsed.val_fraction,
+        }
+    elif (
+        parsed is not None
+        and config.get("data") is not None
+        and not (init_args.get("val_data_files") or init_args.get("val_fraction"))
+    ):
+        warnings.warn(
+            f"the --config data has no validation split: prompts come from a {DEFAULT_VAL_FRACTION:.0%} slice of "
+            "documents the draft trained on; pass --data-files or --prompts for held-out prompts",
+            stacklevel=2,
+        )
+    if init_args.get("val_data_files") is None and not init_args.get("val_fraction"):
+        init_args["val_fraction"] = DEFAULT_VAL_FRACTION
     if parsed is not None and parsed.cache_dir is not None:
         init_args["cache_dir"] = parsed.cache_dir
     return PackedChatDataModule(**init_args)

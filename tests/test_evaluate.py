@@ -550,3 +550,32 @@ def test_the_callback_logs_served_acceptance_beside_the_training_estimate(tmp_pa
     assert callback.validation_runs == 1
     with pytest.raises(ValueError, match="every_n_val_epochs"):
         ServedAcceptanceCallback(every_n_val_epochs=0)
+
+
+def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_out_split(monkeypatch):
+    import argparse
+
+    import datamodules
+    from lightning_drafts import evaluate_cli
+
+    made = []
+    monkeypatch.setattr(datamodules, "PackedChatDataModule", lambda **kwargs: made.append(kwargs))
+    config = {"data": {"init_args": {"tokenizer": "tok", "chat_template": "{{ x }}", "val_fraction": 0.1}}}
+    new_files = argparse.Namespace(
+        data_files=["chats.jsonl"], tokenizer=None, val_fraction=0.05, cache_dir=None
+    )
+    evaluate_cli._datamodule(config, new_files)
+    assert made[-1] == {
+        "data_files": ["chats.jsonl"],
+        "tokenizer": "tok",
+        "chat_template": "{{ x }}",
+        "val_fraction": 0.05,
+    }
+
+    no_split = {"data": {"init_args": {"max_tokens": 256}}}
+    from_config = argparse.Namespace(data_files=None, tokenizer=None, val_fraction=0.05, cache_dir=None)
+    with pytest.warns(
+        UserWarning, match="no validation split: prompts come from .* documents the draft trained on"
+    ):
+        evaluate_cli._datamodule(no_split, from_config)
+    assert made[-1]["val_fraction"] == evaluate_cli.DEFAULT_VAL_FRACTION
