@@ -94,6 +94,26 @@ class DraftModule(L.LightningModule):
 
     # --- Lightning hooks -----------------------------------------------------------------------
 
+    def on_fit_start(self) -> None:
+        self._check_target_dtype()
+
+    def on_validation_start(self) -> None:
+        self._check_target_dtype()
+
+    def _check_target_dtype(self) -> None:
+        """A ``*-true`` precision casts the whole module, the frozen target included, after it was built:
+        refuse a run whose target no longer has the ``target_dtype`` asked for."""
+        wanted = self.hparams.get("target_dtype")
+        if wanted is None:
+            return
+        wanted = getattr(torch, wanted) if isinstance(wanted, str) else wanted
+        actual = next(self.target.parameters()).dtype
+        if actual != wanted:
+            raise ValueError(
+                f"target_dtype = {wanted} but the trainer's precision cast the target to {actual}; drop "
+                "target_dtype or choose a precision that keeps it (e.g. bf16-mixed / 32-true)"
+            )
+
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
         return self._shared_step(batch, "train")
 

@@ -137,3 +137,12 @@ def test_shard_target_without_fsdp2_is_refused(tmp_path):
     module = NextTokenProbe(TINY_TARGETS["llama"], shard_target=True)
     with pytest.raises(ValueError, match="shard_target=True needs ModelParallelStrategy"):
         trainer(tmp_path, logger=False, max_steps=1).fit(module, loader())
+
+
+def test_a_precision_that_recasts_the_target_away_from_target_dtype_is_refused(tmp_path):
+    module = NextTokenProbe(TINY_TARGETS["llama"], target_dtype="float32")
+    with pytest.raises(ValueError, match="target_dtype = torch.float32 but the trainer's precision cast"):
+        trainer(tmp_path, logger=False, max_steps=1, precision="bf16-true").fit(module, loader())
+    kept = NextTokenProbe(TINY_TARGETS["llama"], target_dtype="bfloat16")
+    trainer(tmp_path, logger=False, max_steps=1, precision="bf16-true").fit(kept, loader())
+    assert next(kept.target.parameters()).dtype == torch.bfloat16
