@@ -75,6 +75,9 @@ def export_main(args: list[str]) -> None:
     parser.add_argument(
         "--target", default=None, help="override the target (hub id / local path) stored in the checkpoint"
     )
+    parser.add_argument(
+        "--layout", default=None, help="DSpark: specforge (SGLang) or nemo (default: specforge when it fits)"
+    )
     parsed = parser.parse_args(args)
-    path = export_checkpoint(parsed.checkpoint, parsed.output_dir, target=parsed.target)
+    path = export_checkpoint(parsed.checkpoint, parsed.output_dir, target=parsed.target, layout=parsed.layout)
     print(f"exported {parsed.checkpoint} -> {path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 import torch
@@ -24,13 +25,21 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None
     return draft_class.load_from_checkpoint(checkpoint_path, map_location="cpu", **overrides)
 
 
-def export_checkpoint(checkpoint_path: str | Path, output_dir: str | Path, target: str | None = None) -> Path:
+def export_checkpoint(
+    checkpoint_path: str | Path, output_dir: str | Path, target: str | None = None, layout: str | None = None
+) -> Path:
     """Load ``checkpoint_path``, write its serving layout to ``output_dir`` and validate what was written
-    (a defect raises ``ValueError`` naming the field)."""
+    (a defect raises ``ValueError`` naming the field). ``layout`` chooses among a family's layouts
+    (DSpark: ``specforge`` / ``nemo``); None takes the family's default."""
     from lightning_drafts.evaluate import validate_export
 
     module = load_draft_checkpoint(checkpoint_path, target=target)
-    path = module.export(Path(output_dir))
+    if layout is None:
+        path = module.export(Path(output_dir))
+    elif "layout" in inspect.signature(module.export).parameters:
+        path = module.export(Path(output_dir), layout=layout)
+    else:
+        raise ValueError(f"layout {layout!r} was given, but {type(module).__name__} exports one layout only")
     # What serving reads is checked against the target it will serve with, for every family.
     validate_export(path, target=module.target)
     return path

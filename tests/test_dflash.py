@@ -369,6 +369,8 @@ def test_trains_a_few_steps_in_a_lightning_trainer_and_exports_its_checkpoint(tm
     state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     assert state and not any(k.startswith("target.") for k in state)
     export_checkpoint(tmp_path / "last.ckpt", tmp_path / "served")
+    with pytest.raises(ValueError, match="layout 'nemo' was given, but DFlashModule exports one layout only"):
+        export_checkpoint(tmp_path / "last.ckpt", tmp_path / "other", layout="nemo")
     draft, config = load_exported_draft(tmp_path / "served")
     assert config["dflash_config"]["mask_token_id"] == MASK_TOKEN
     for name, value in module.draft.state_dict().items():

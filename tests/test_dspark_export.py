@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_drafts.cli import main
 from lightning_drafts.dspark import load_exported_draft
 from lightning_drafts.export import export_checkpoint
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, ROWS, perturb, twins
@@ -116,12 +117,17 @@ def test_export_guards_raise_value_error(trained, tmp_path):
     module, _, _ = trained
     with pytest.raises(ValueError, match="layout 'vllm' is unknown"):
         module.export(tmp_path / "x", layout="vllm")
-    with pytest.raises(ValueError, match="only the vanilla Markov head"):
-        make(markov_head_type="gated").export(tmp_path / "gated")
+    with pytest.raises(ValueError, match="only the vanilla Markov head.*--layout nemo"):
+        make(markov_head_type="gated").export(tmp_path / "gated", layout="specforge")
     with pytest.raises(ValueError, match="freeze_embeddings=False"):
-        make(freeze_embeddings=False).export(tmp_path / "unfrozen")
+        make(freeze_embeddings=False).export(tmp_path / "unfrozen", layout="specforge")
     rnn = make(markov_head_type="rnn").export(tmp_path / "rnn", layout="nemo")  # NeMo keeps every head
     assert "markov_head.joint_proj.weight" in load_file(str(rnn / "model.safetensors"))
+    # Without a layout, a draft SGLang cannot serve still exports: NeMo's layout, with the reason.
+    for options in ({"markov_head_type": "gated"}, {"freeze_embeddings": False}):
+        with pytest.warns(UserWarning, match="writing NeMo's Qwen3DSparkModel layout instead"):
+            path = make(**options).export(tmp_path / "auto")
+        assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
 
     path = module.export(tmp_path / "ok")
     with pytest.raises(ValueError, match="matching block_size"):
@@ -163,3 +169,11 @@ def test_lightning_checkpoint_is_target_free_and_exports(tmp_path):
     fresh.load_exported(tmp_path / "served")
     anchors = fixed_anchors(module, rows[0])
     assert same_loss(fresh, module, rows[0], anchors)
+
+    main(["export", str(tmp_path / "last.ckpt"), str(tmp_path / "nemo"), "--layout", "nemo"])
+    assert json.loads((tmp_path / "nemo" / "config.json").read_text())["architectures"] == [
+        "Qwen3DSparkModel"
+    ]
+    nemo = make(draft_seed=4)
+    nemo.load_exported(tmp_path / "nemo")
+    assert same_loss(nemo, module, rows[0], anchors)

@@ -490,8 +490,12 @@ def test_cli_evaluate_rebuilds_the_target_the_export_records(family, tmp_path, c
     assert "lossless: yes" in printed and report["generated_tokens"] == 10
 
 
-def test_the_callback_logs_served_acceptance_for_a_dspark_draft(tmp_path):
-    module = make(TINY_TARGETS["qwen3"])
+@pytest.mark.parametrize(
+    "options", [{}, {"markov_head_type": "gated"}], ids=["specforge-layout", "gated-head-nemo-layout"]
+)
+def test_the_callback_logs_served_acceptance_for_a_dspark_draft(options, tmp_path):
+    # A draft SGLang's DSparkDraftModel cannot serve (gated head) is evaluated from NeMo's layout.
+    module = make(TINY_TARGETS["qwen3"], **options)
     trainer = L.Trainer(
         max_steps=2,
         limit_val_batches=1,

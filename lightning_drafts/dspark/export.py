@@ -45,6 +45,7 @@ run here; the layout follows dspark.md §13 and SpecForge's ``DSparkDraftModel``
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,14 +110,25 @@ def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dic
 
 
 def export_draft(
-    module: DSparkModule, output_dir: Path, layout: str = "specforge", dtype: torch.dtype | None = None
+    module: DSparkModule, output_dir: Path, layout: str | None = None, dtype: torch.dtype | None = None
 ) -> Path:
-    """Write ``module``'s draft to ``output_dir`` in ``layout`` and check that it reads back complete."""
+    """Write ``module``'s draft to ``output_dir`` in ``layout`` and check that it reads back complete.
+
+    ``layout=None``: the SpecForge / SGLang layout when this draft fits it, else NeMo's (with a warning
+    saying why), so every trained DSpark draft exports and evaluates without being told."""
+    unservable = _unservable_reason(module)
+    if layout is None:
+        layout = "specforge" if unservable is None else "nemo"
+        if unservable is not None:
+            warnings.warn(f"{unservable}; writing NeMo's Qwen3DSparkModel layout instead", stacklevel=2)
     if layout not in LAYOUTS:
         raise ValueError(f"export layout {layout!r} is unknown; choose one of {sorted(LAYOUTS)}")
     state = module.draft.state_dict()
     if layout == "specforge":
-        _check_servable(module)
+        if unservable is not None:
+            raise ValueError(
+                f"{unservable}; export with layout='nemo' (`lightning-drafts export --layout nemo`)"
+            )
         state = {key: value for key, value in state.items() if key not in TARGET_COPIES}
     dtype = dtype or module.draft.fc.weight.dtype
     tensors = {key: value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
@@ -130,19 +142,21 @@ def export_draft(
     return output_dir
 
 
-def _check_servable(module: DSparkModule) -> None:
+def _unservable_reason(module: DSparkModule) -> str | None:
+    """Why SpecForge's ``DSparkDraftModel`` cannot serve this draft, or None."""
     head = module.draft.markov_head
     if head is not None and head.head_type != "vanilla":
-        raise ValueError(
+        return (
             f"SpecForge's DSparkDraftModel implements only the vanilla Markov head, this draft has a "
-            f"{head.head_type!r} one; export layout='nemo'"
+            f"{head.head_type!r} one"
         )
     trained = [key for key in TARGET_COPIES if module.draft.get_parameter(key).requires_grad]
     if trained:
-        raise ValueError(
+        return (
             f"the SpecForge layout has no {trained}: the server reuses the target's, but this draft trained its "
-            "own copies (freeze_embeddings=False); export layout='nemo'"
+            "own copies (freeze_embeddings=False)"
         )
+    return None
 
 
 def read_export_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]:

@@ -286,10 +286,12 @@ class DSparkModule(DraftModule):
 
     # --- export ------------------------------------------------------------------------------------
 
-    def export(self, output_dir: str | Path, layout: str = "specforge") -> Path:
-        """Write the draft to ``output_dir``: ``layout="specforge"`` (default) is the SpecForge / SGLang
+    def export(self, output_dir: str | Path, layout: str | None = None) -> Path:
+        """Write the draft to ``output_dir``: ``layout="specforge"`` is the SpecForge / SGLang
         ``DSparkDraftModel`` serving layout, ``"nemo"`` NeMo's self-contained ``Qwen3DSparkModel`` layout
-        (with the embedding / LM head copies). Both reload with :meth:`load_exported`."""
+        (with the embedding / LM head copies); None (default) takes SpecForge's when the draft fits it
+        (vanilla Markov head, frozen copies), else NeMo's with a warning. Both reload with
+        :meth:`load_exported`."""
         from lightning_drafts.dspark.export import export_draft
 
         return export_draft(self, Path(output_dir), layout=layout)
