@@ -57,6 +57,17 @@ class ServedAcceptanceCallback(L.Callback):
         self._due = False
         self._prompts: list[Tensor] = []
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        if isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
+            # Exporting needs the whole draft on each rank; a sharded one would need a collective gather.
+            raise ValueError(
+                f"ServedAcceptanceCallback needs the whole draft on every rank, but the strategy is "
+                f"{type(trainer.strategy).__name__} (sharded); drop the callback and run `lightning-drafts "
+                "evaluate` on exported checkpoints, or train with DDP / one device"
+            )
+
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._prompts = []
         self._due = not trainer.sanity_checking and self.validation_runs % self.every_n_val_epochs == 0
@@ -97,10 +108,6 @@ class ServedAcceptanceCallback(L.Callback):
         pl_module.log("val/served_accept_len", value, on_epoch=True, sync_dist=True, batch_size=1)
 
     def _served_accept_len(self, pl_module: L.LightningModule) -> float | None:
-        if any(type(p).__name__ == "DTensor" for p in pl_module.parameters()):
-            # Sharded (FSDP2) weights would need a collective gather to export; not supported here.
-            rank_zero_warn("ServedAcceptanceCallback does not support sharded (FSDP) drafts; skipped")
-            return None
         with tempfile.TemporaryDirectory(prefix="served-draft-") as directory:
             pl_module.export(directory)
             report = evaluate_export(

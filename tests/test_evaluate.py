@@ -552,6 +552,17 @@ def test_the_callback_logs_served_acceptance_beside_the_training_estimate(tmp_pa
         ServedAcceptanceCallback(every_n_val_epochs=0)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
+def test_the_callback_refuses_a_sharded_strategy_before_training(strategy):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    sharded = FSDPStrategy() if strategy == "fsdp1" else ModelParallelStrategy()
+    with pytest.raises(ValueError, match=f"the strategy is {type(sharded).__name__} \\(sharded\\)"):
+        ServedAcceptanceCallback().setup(SimpleNamespace(strategy=sharded), None, "fit")
+
+
 def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_out_split(monkeypatch):
     import argparse
 
