@@ -107,7 +107,7 @@ class DraftModule(L.LightningModule):
         if wanted is None:
             return
         wanted = getattr(torch, wanted) if isinstance(wanted, str) else wanted
-        actual = next(self.target.parameters()).dtype
+        actual = next(p.dtype for p in self.target.parameters() if p.is_floating_point())
         if actual != wanted:
             raise ValueError(
                 f"target_dtype = {wanted} but the trainer's precision cast the target to {actual}; drop "
@@ -178,22 +178,26 @@ class DraftModule(L.LightningModule):
         The frozen target is replicated (it has no gradients or optimizer state to shard) unless
         ``shard_target``, which shards it per decoder layer for targets too large for one device.
         """
-        if getattr(self, "_model_configured", False):
-            return
-        if self.hparams.shard_target and self.device_mesh is None:
-            raise ValueError(
-                "shard_target=True needs ModelParallelStrategy (FSDP2), but this run has no device mesh; use "
-                "that strategy or set shard_target: false (FSDPStrategy wraps the target by its auto_wrap_policy)"
-            )
-        self._model_configured = True
         draft_roots = [child for name, child in self.named_children() if name != "target"]
-        if self.hparams.activation_checkpointing:
+        if self.hparams.activation_checkpointing and not getattr(self, "_checkpointing_applied", False):
             from torch.distributed._composable import checkpoint
 
             for layer in (layer for root in draft_roots for layer in _repeated_layers(root)):
                 checkpoint(layer)
-        if self.device_mesh is not None:
+            self._checkpointing_applied = True
+        # Called again by every run (and by load_from_checkpoint, without a trainer): shard on the first
+        # call that has a device mesh, whatever ran before it.
+        if self.device_mesh is None:
+            if self.hparams.shard_target and self._trainer is not None:
+                raise ValueError(
+                    "shard_target=True needs ModelParallelStrategy (FSDP2), but this run has no device mesh; "
+                    "use that strategy or set shard_target: false (FSDPStrategy wraps the target by its "
+                    "auto_wrap_policy)"
+                )
+            return
+        if not getattr(self, "_fsdp_applied", False):
             self._shard(draft_roots, self.device_mesh["data_parallel"])
+            self._fsdp_applied = True
 
     def _shard(self, draft_roots: list[torch.nn.Module], data_parallel: Any) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method

@@ -151,7 +151,12 @@ def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None
         init_args = {
             "data_files": parsed.data_files,
             "tokenizer": parsed.tokenizer or init_args.get("tokenizer"),
-            **({"chat_template": init_args["chat_template"]} if init_args.get("chat_template") else {}),
+            # The config's template belongs to the config's tokenizer: kept only with it.
+            **(
+                {"chat_template": init_args["chat_template"]}
+                if init_args.get("chat_template") and parsed.tokenizer is None
+                else {}
+            ),
             "val_fraction": parsed.val_fraction,
         }
     elif (

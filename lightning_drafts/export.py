@@ -21,7 +21,10 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None
         )
     module_name, _, class_name = class_path.rpartition(".")
     draft_class = getattr(importlib.import_module(module_name), class_name)
-    overrides = {} if target is None else {"target": target}
+    # Training-layout options say nothing about the weights, and loading runs on one process: drop them.
+    overrides = {"shard_target": False, "activation_checkpointing": False}
+    if target is not None:
+        overrides["target"] = target
     return draft_class.load_from_checkpoint(checkpoint_path, map_location="cpu", **overrides)
 
 

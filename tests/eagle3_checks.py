@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_drafts.acceptance import prefix_counts
 from lightning_drafts.eagle3 import Eagle3Base, load_eagle3
 from lightning_drafts.eagle3.ttt import shift_left, step_masks
+from lightning_drafts.export import load_draft_checkpoint
 from tests.builders import VOCAB, packed_row, padded_rows, random_docs, stack_rows
 
 GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
@@ -269,6 +270,11 @@ def check_trains_in_lightning_trainer(module_class: type[Eagle3Base], target: di
     restored = module_class.load_from_checkpoint(tmp_path / "draft.ckpt")
     assert bool(restored.vocab_mapping_built)
     assert torch.equal(restored.draft.d2t, module.draft.d2t)
+    # A checkpoint saved with activation_checkpointing on (a no-op for EAGLE-3 before it was refused)
+    # still loads for export: loading drops the training-layout options.
+    checkpoint["hyper_parameters"].update(activation_checkpointing=True, shard_target=True)
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    assert torch.equal(load_draft_checkpoint(tmp_path / "old.ckpt").draft.d2t, module.draft.d2t)
 
     # Through a plain DataLoader of contract dicts, with the frequencies given up front.
     module = build(module_class, target)

@@ -368,6 +368,10 @@ def test_trains_a_few_steps_in_a_lightning_trainer_and_exports_its_checkpoint(tm
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     assert state and not any(k.startswith("target.") for k in state)
+    # A checkpoint from an FSDP2 run with every training-layout option exports on one process too.
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    saved["hyper_parameters"].update(shard_target=True, activation_checkpointing=True)
+    torch.save(saved, tmp_path / "last.ckpt")
     export_checkpoint(tmp_path / "last.ckpt", tmp_path / "served")
     with pytest.raises(ValueError, match="layout 'nemo' was given, but DFlashModule exports one layout only"):
         export_checkpoint(tmp_path / "last.ckpt", tmp_path / "other", layout="nemo")

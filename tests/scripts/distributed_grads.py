@@ -90,6 +90,8 @@ def build(draft: str, strategy: str) -> L.LightningModule:
         for param in module.parameters():
             if param.requires_grad:
                 param.add_(0.05 * torch.randn(param.shape))
+    # As load_from_checkpoint or an earlier single-device run would: the strategy must still shard it.
+    module.configure_model()
     return module
 
 
