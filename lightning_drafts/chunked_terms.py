@@ -89,7 +89,8 @@ class _GradientInForward(torch.autograd.Function):
             # saved-tensor hooks around this call (activation offloading, memory accounting).
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 outputs = plan.terms(*leaves)
-            sources = [(leaves + list(parameters))[i] for i in wanted]
+            candidates = [*leaves, *parameters]
+            sources = [candidates[i] for i in wanted]
             if start == 0:
                 _check_no_unlisted_weights(outputs[: plan.differentiable], sources)
             live = [i for i, o in enumerate(outputs[: plan.differentiable]) if o.requires_grad]
@@ -104,7 +105,7 @@ class _GradientInForward(torch.autograd.Function):
                     )
                 del chunk_grads
             results.append(tuple(o.detach() for o in outputs))
-            del outputs, leaves, sources
+            del outputs, leaves, candidates, sources
         # Saved as what they are, the tensors kept for backward, so saved-tensor hooks see them.
         ctx.save_for_backward(*(grad for per_output in grads for grad in per_output))
         ctx.num_inputs, ctx.dtypes = len(inputs), [t.dtype for t in inputs]
@@ -121,7 +122,7 @@ class _GradientInForward(torch.autograd.Function):
             for i, grad in enumerate(saved[output * width : (output + 1) * width]):
                 if grad is not None:
                     # The scale stays fp32: rounding it to a bf16 gradient's dtype would skew the outputs' mix.
-                    part = grad * scale.float() if grad.is_floating_point() else grad
+                    part = grad * scale.float()
                     total[i] = part if total[i] is None else total[i] + part
         return (
             None,
@@ -135,7 +136,6 @@ def _check_no_unlisted_weights(outputs: Sequence[Tensor], sources: Sequence[Tens
     The walk stops at the given tensors' own gradient edges: a given weight may itself be a view of
     something else (FSDP1 with ``use_orig_params`` hands out views of its flat parameter).
     """
-    listed = {id(t) for t in sources}
     given = {get_gradient_edge(t).node for t in sources}
     seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
@@ -144,7 +144,7 @@ def _check_no_unlisted_weights(outputs: Sequence[Tensor], sources: Sequence[Tens
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in listed:
+        if variable is not None:
             raise ValueError(
                 f"the chunked vocabulary terms read a trainable tensor of shape {tuple(variable.shape)} that "
                 "was not passed in `parameters`; it would get no gradient. Add it to the parameters list"
