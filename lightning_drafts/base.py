@@ -21,7 +21,7 @@ from lightning_drafts.batch import PackedBatch, validate_batch
 from lightning_drafts.draft_output import DraftOutput
 from lightning_drafts.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.schedule import warmup_cosine
-from lightning_drafts.target import FrozenTarget, TargetSpec
+from lightning_drafts.target import FrozenTarget, TargetSpec, as_dtype
 
 TARGET_PREFIX = "target."
 
@@ -106,7 +106,7 @@ class DraftModule(L.LightningModule):
         wanted = self.hparams.get("target_dtype")
         if wanted is None:
             return
-        wanted = getattr(torch, wanted) if isinstance(wanted, str) else wanted
+        wanted = as_dtype(wanted)
         actual = next(p.dtype for p in self.target.parameters() if p.is_floating_point())
         if actual != wanted:
             raise ValueError(

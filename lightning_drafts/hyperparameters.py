@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_drafts.target import FrozenTarget
 
 
 def check_positive_int(name: str, value: Any) -> None:
@@ -11,15 +14,16 @@ def check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} = {value!r} must be a positive int")
 
 
-def check_mask_token_id(mask_token_id: Any, vocab_size: int, special: dict[str, Any] | None = None) -> int:
-    """The reserved id of block drafts' masked slots: required (no fallback to pad / eos), in the
-    vocabulary, and none of the ``special`` ids (name -> id, a list of ids or None), e.g. the
-    tokenizer's pad and the target's eos: a mask that is also a real token would be fed and predicted."""
+def check_mask_token_id(mask_token_id: Any, target: FrozenTarget, pad_token_id: int | None = None) -> int:
+    """The reserved id of block drafts' masked slots: required (no fallback to pad / eos), in the target's
+    vocabulary, and neither the tokenizer's ``pad_token_id`` nor one of the target's pad / bos / eos ids:
+    a mask that is also a real token would be fed and predicted."""
     if mask_token_id is None:
         raise ValueError(
             "mask_token_id is required: pass a reserved, otherwise unused token id of the target vocabulary "
             "(e.g. 151669 for Qwen3, 248070 for Qwen3.5+); never pad or eos"
         )
+    vocab_size = target.vocab_size
     if (
         isinstance(mask_token_id, bool)
         or not isinstance(mask_token_id, int)
@@ -28,18 +32,12 @@ def check_mask_token_id(mask_token_id: Any, vocab_size: int, special: dict[str, 
         raise ValueError(
             f"mask_token_id = {mask_token_id!r} is outside the target vocabulary [0, {vocab_size})"
         )
-    for name, ids in (special or {}).items():
-        if mask_token_id in (ids if isinstance(ids, list | tuple) else [ids]):
-            raise ValueError(
-                f"mask_token_id = {mask_token_id} is also the {name}; pick a reserved, otherwise unused id"
-            )
+    special = {pad_token_id: "tokenizer's pad_token_id"}
+    for token, name in target.special_token_ids().items():
+        special.setdefault(token, f"target's {name}_token_id")
+    if mask_token_id in special:
+        raise ValueError(
+            f"mask_token_id = {mask_token_id} is also the {special[mask_token_id]}; pick a reserved, "
+            "otherwise unused id"
+        )
     return mask_token_id
-
-
-def special_token_ids(config: Any, pad_token_id: int | None) -> dict[str, Any]:
-    """The ids a block draft's mask must not be: the data's pad id and the target config's pad / bos / eos."""
-    found = {
-        f"target's {name}": getattr(config, name, None)
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id")
-    }
-    return {"tokenizer's pad_token_id": pad_token_id, **found}

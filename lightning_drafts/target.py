@@ -53,10 +53,10 @@ def build_causal_lm(
         config = AutoConfig.for_model(model_type, **fields)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=_as_dtype(dtype))
+            model = AutoModelForCausalLM.from_config(config, dtype=as_dtype(dtype))
         return model
     if isinstance(spec, str):
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=_as_dtype(dtype) or "auto")
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=as_dtype(dtype) or "auto")
     raise ValueError(
         f"target must be a hub id / local path (str), a config dict or a transformers PreTrainedModel, "
         f"got {type(spec).__name__}"
@@ -86,7 +86,7 @@ class FrozenTarget(nn.Module):
         super().__init__()
         self.model = build_causal_lm(model, dtype=dtype, seed=seed)
         if dtype is not None:
-            self.model.to(_as_dtype(dtype))
+            self.model.to(as_dtype(dtype))
         self.model.requires_grad_(False)
         self.model.eval()
         self.requested_backend = attn_backend
@@ -127,6 +127,19 @@ class FrozenTarget(nn.Module):
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
+
+    def special_token_ids(
+        self, names: Sequence[str] = ("eos_token_id", "pad_token_id", "bos_token_id")
+    ) -> dict[int, str]:
+        """``id -> name`` (``eos``, ``pad``, ...) of the config's special tokens ``names`` (lists flattened;
+        an id under several names keeps the first)."""
+        special: dict[int, str] = {}
+        for name in names:
+            ids = getattr(self.text_config, name, None)
+            for token in ids if isinstance(ids, (list, tuple)) else [ids]:
+                if isinstance(token, int) and not isinstance(token, bool):
+                    special.setdefault(token, name.removesuffix("_token_id"))
+        return special
 
     @torch.no_grad()
     def forward(self, packed: PackedBatch, layer_ids: Sequence[int] = ()) -> TargetOutput:
@@ -240,7 +253,7 @@ def _scatter_rows(flat: Tensor, token_index: Tensor, batch: int, width: int) -> 
     return out.reshape(batch, width, -1)
 
 
-def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype, None)

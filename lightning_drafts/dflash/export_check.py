@@ -233,7 +233,7 @@ def _check_mask_token(
         )
         return None
     if target is not None:
-        special = _special_tokens(target)
+        special = target.special_token_ids()
         if mask in special:
             defects.add(
                 "dflash_config.mask_token_id",
@@ -241,16 +241,6 @@ def _check_mask_token(
                 "never emits (e.g. 151669 for Qwen3), or drafted blocks read as real text",
             )
     return mask
-
-
-def _special_tokens(target: FrozenTarget) -> dict[int, str]:
-    special: dict[int, str] = {}
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        ids = getattr(target.text_config, name, None)
-        for token in ids if isinstance(ids, (list, tuple)) else [ids]:
-            if _is_int(token):
-                special.setdefault(token, name.removesuffix("_token_id"))
-    return special
 
 
 def _check_layer_ids(

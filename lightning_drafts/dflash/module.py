@@ -41,7 +41,7 @@ from lightning_drafts.dflash.objective import (
 )
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.draft_output import DraftOutput
-from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int, special_token_ids
+from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
 from lightning_drafts.ratio_metric import ratio
 from lightning_drafts.target import TargetSpec
 
@@ -107,11 +107,7 @@ class DFlashModule(DraftModule):
             raise ValueError(
                 f"block_size = {block_size!r} must be an int >= 2 (the anchor plus drafted slots)"
             )
-        self.mask_token_id = check_mask_token_id(
-            mask_token_id,
-            self.target.vocab_size,
-            special_token_ids(self.target.text_config, self.hparams.get("pad_token_id")),
-        )
+        self.mask_token_id = check_mask_token_id(mask_token_id, self.target, self.hparams.get("pad_token_id"))
         if loss_decay_gamma is not None and not loss_decay_gamma > 0:
             raise ValueError(
                 f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform weights"

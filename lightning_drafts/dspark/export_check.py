@@ -39,7 +39,6 @@ from lightning_drafts.dflash.export_check import (
     _check_rope,
     _check_shape_fields,
     _is_int,
-    _special_tokens,
 )
 from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
 from lightning_drafts.dspark.export import HEAD_FIELDS, LAYOUTS, TARGET_COPIES, draft_from_config
@@ -198,7 +197,7 @@ def _check_mask_token(
             f"[0, {vocab})",
         )
         return None
-    special = _special_tokens(target) if target is not None else {}
+    special = target.special_token_ids() if target is not None else {}
     if mask in special:
         defects.add(
             f"{prefix}mask_token_id",

@@ -49,7 +49,7 @@ from lightning_drafts.dspark.objective import (
     distribution_terms,
     normalise,
 )
-from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int, special_token_ids
+from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
 from lightning_drafts.ratio_metric import Sums, ratio
 from lightning_drafts.target import TargetSpec
 
@@ -133,11 +133,7 @@ class DSparkModule(DraftModule):
         )
         # In the signature, not set by default inside: the CLI reads defaults from signatures.
         super().__init__(target=target, learning_rate=learning_rate, **base_kwargs)
-        self.mask_token_id = check_mask_token_id(
-            mask_token_id,
-            self.target.vocab_size,
-            special_token_ids(self.target.text_config, self.hparams.get("pad_token_id")),
-        )
+        self.mask_token_id = check_mask_token_id(mask_token_id, self.target, self.hparams.get("pad_token_id"))
         num_layers = self.target.num_layers
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_layers, num_draft_layers)

@@ -161,10 +161,8 @@ class Eagle3Base(DraftModule):
         self.build_vocab_mapping(counts)
 
     def _special_token_ids(self) -> list[Any]:
-        config = self.target.text_config
         names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
-        ids = [getattr(config, name, None) for name in names]
-        return [*ids, self.hparams.get("pad_token_id")]
+        return [*self.target.special_token_ids(names), self.hparams.get("pad_token_id")]
 
     def _require_vocab_mapping(self) -> None:
         if not bool(self.vocab_mapping_built):
