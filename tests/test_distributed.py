@@ -78,8 +78,25 @@ def test_fsdp2_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_path):
         saved = {s: torch.load(tmp_path / s / f"{draft}.ckpt", weights_only=False) for s in ("ddp", "fsdp2")}
         assert not [k for k in saved["fsdp2"]["state_dict"] if k.startswith("target.")], draft
         assert set(saved["fsdp2"]["state_dict"]) == set(saved["ddp"]["state_dict"]), draft
+        # Both steps started from the same weights.
+        for name, value in ddp["weights_before"].items():
+            torch.testing.assert_close(fsdp2["weights_before"][name], value, rtol=0, atol=0, msg=name)
+        # Each strategy's saved weights are AdamW's step from its own gradients. The two are not compared
+        # to each other with a plain tolerance: Adam's first step moves every element by about the
+        # learning rate whatever the gradient's size, so a near-zero gradient element whose round-off
+        # differs between the strategies moves by up to twice the learning rate (the gradients themselves
+        # are held to 1e-5 above).
+        for step in (ddp, fsdp2):
+            assert step["adamw"] == ddp["adamw"], draft
+        for strategy, step in (("ddp", ddp), ("fsdp2", fsdp2)):
+            state = saved[strategy]["state_dict"]
+            for name, expected in adamw_first_step(
+                step["weights_before"], step["grads"], step["adamw"]
+            ).items():
+                torch.testing.assert_close(state[name], expected, rtol=1e-6, atol=1e-7, msg=f"{draft} {name}")
         for name, value in saved["ddp"]["state_dict"].items():
-            torch.testing.assert_close(saved["fsdp2"]["state_dict"][name], value, rtol=1e-5, atol=1e-6)
+            if name not in ddp["grads"]:  # buffers and frozen weights: untouched by the step
+                torch.testing.assert_close(saved["fsdp2"]["state_dict"][name], value, rtol=0, atol=0)
         for strategy in ("ddp", "fsdp2"):
             resumed = torch.load(tmp_path / strategy / f"{draft}-resumed.ckpt", weights_only=False)
             assert resumed["global_step"] == 2, (draft, strategy)
@@ -87,6 +104,18 @@ def test_fsdp2_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_path):
         assert val["fsdp2"].keys() == val["ddp"].keys() and "val/loss" in val["ddp"], draft
         for name, value in val["ddp"].items():
             assert val["fsdp2"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (draft, name)
+
+
+def adamw_first_step(
+    weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], adamw: dict
+) -> dict[str, torch.Tensor]:
+    """The weights after AdamW's first step (bias-corrected moments are g and g², so the update is
+    lr * g / (|g| + eps)), computed from the formula, not by an optimizer."""
+    lr, eps, decay = adamw["lr"], adamw["eps"], adamw["weight_decay"]
+    return {
+        name: weights[name] * (1 - lr * decay) - lr * grad / (grad.abs() + eps)
+        for name, grad in grads.items()
+    }
 
 
 FSDP2_RECIPES = sorted(

@@ -2,7 +2,8 @@
 
 Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2)
 
-Writes ``OUT_DIR/{draft}.pt`` (the gradients and whether the target's layers were sharded), the
+Writes ``OUT_DIR/{draft}.pt`` (the gradients, the weights they were taken at, the optimizer's settings and
+whether the target's layers were sharded), the
 validation metrics and the checkpoint after that step, and the checkpoint of a second step resumed
 from it. Under FSDP2
 (ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
@@ -53,14 +54,30 @@ class SaveGradients(L.Callback):
         self.out = out
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-        grads = {}
+        grads, weights = {}, {}
         for name, param in module.named_parameters():
             if param.grad is not None:
-                grad = param.grad
-                grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+                grads[name] = whole(param.grad)
+                weights[name] = whole(param)
         layer = next(module.target.decoder_layers[0].parameters())
+        (group,) = optimizer.param_groups
+        # The step's own settings, so the test can apply AdamW's first step to these weights and gradients.
+        adamw = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
         if trainer.is_global_zero:
-            torch.save({"grads": grads, "target_sharded": isinstance(layer, DTensor)}, self.out)
+            torch.save(
+                {
+                    "grads": grads,
+                    "weights_before": weights,
+                    "adamw": adamw,
+                    "target_sharded": isinstance(layer, DTensor),
+                },
+                self.out,
+            )
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly FSDP2-sharded) parameter or gradient; a collective under FSDP2."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def loader() -> torch.utils.data.DataLoader:
