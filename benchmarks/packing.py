@@ -16,10 +16,9 @@ import time
 import datasets
 import numpy as np
 import torch
-
-from datamodules import PackedChatDataModule
-from datamodules.documents import Documents
-from datamodules.packing import collate, plan_epoch
+from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.documents import Documents
+from lightning_drafts.datamodules.packing import collate, plan_epoch
 
 MODES = {"buffer": "buffer-packed", "microbatch": "microbatch-packed", "padded": "padded"}
 

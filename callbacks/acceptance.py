@@ -6,8 +6,8 @@ from typing import Any
 
 import lightning as L
 
-from lightning_drafts.acceptance import AcceptanceStats
-from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.core.acceptance import AcceptanceStats
+from lightning_drafts.core.draft_output import DraftOutput
 
 
 class AcceptanceCallback(L.Callback):

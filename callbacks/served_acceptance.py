@@ -14,7 +14,8 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_drafts.evaluate import evaluate_export, prompts_from_batch
+from lightning_drafts.serving.prompts import prompts_from_batch
+from lightning_drafts.workflows.evaluate import evaluate_export
 
 
 class ServedAcceptanceCallback(L.Callback):

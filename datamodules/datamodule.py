@@ -13,16 +13,19 @@ import datasets
 import numpy as np
 from datasets.fingerprint import Hasher
 from lightning.pytorch import LightningDataModule
+from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
+from lightning_drafts.datamodules.embedded import (
+    embedded_corpus_dataset,
+    embedded_corpus_fingerprint,
+    load_embedded_tokenizer,
+)
+from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, ResumableLoader
+from lightning_drafts.datamodules.packing import resolve_packing
+from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
+from lightning_drafts.datamodules.templates import resolve_chat_template
+from lightning_drafts.datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
-from datamodules.embedded import embedded_corpus_dataset, embedded_corpus_fingerprint, load_embedded_tokenizer
-from datamodules.loader import LoaderState, PackedEpochDataset, ResumableLoader
-from datamodules.packing import resolve_packing
-from datamodules.preview import CLOSE, OPEN, mark_supervised
-from datamodules.templates import resolve_chat_template
-from datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
 
 logger = logging.getLogger("datamodules")
 

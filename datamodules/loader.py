@@ -3,7 +3,7 @@
 Design, kept deliberately small:
 
 * :class:`PackedEpochDataset` is an ``IterableDataset`` that yields ready micro-batches of one epoch's
-  :func:`~datamodules.packing.plan_epoch` for its rank, starting after ``skip`` micro-batches. It is an
+  :func:`~lightning_drafts.datamodules.packing.plan_epoch` for its rank, starting after ``skip`` micro-batches. It is an
   iterable (not a map-style dataset with a sampler) so Lightning never injects a ``DistributedSampler``:
   rank sharding is part of the plan. Worker ``w`` of ``n`` yields micro-batches ``w, w + n, ...``; the
   ``DataLoader`` collects from its workers round-robin, so the order is the same for any worker count.
@@ -22,11 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning_drafts.datamodules.documents import Documents
+from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-
-from datamodules.documents import Documents
-from datamodules.packing import MicroBatchPlan, collate, plan_epoch
 
 
 class PackedEpochDataset(IterableDataset):

@@ -1,3 +1,3 @@
-from lightning_drafts.cli import main
+from lightning_drafts.cli.main import main
 
 main()

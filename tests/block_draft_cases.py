@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_drafts.anchors import anchors_from_positions, flatten_anchors
-from lightning_drafts.batch import PackedBatch
+from lightning_drafts.attention.anchors import anchors_from_positions, flatten_anchors
+from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.dflash import DFlashModule
 from tests.builders import VOCAB, packed_row, padded_rows, random_docs, stack_rows
 

@@ -145,7 +145,7 @@ class PromptRows(torch.utils.data.Dataset):
 def assert_target_greedy(target, prompts, generations, max_new_tokens: int, with_hf: bool = True) -> None:
     """Each generation is the target's own greedy continuation of its prompt: by our reference decode, and
     (``with_hf``) by transformers' own greedy ``generate`` (KV cache, no EOS stop), an independent one."""
-    from lightning_drafts.evaluate import greedy_generate
+    from lightning_drafts.serving.decode import greedy_generate
 
     for prompt, generated in zip(prompts, generations, strict=True):
         assert generated == greedy_generate(target, prompt, max_new_tokens), (

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from lightning_drafts.acceptance import prefix_counts
+from lightning_drafts.core.acceptance import prefix_counts
 from lightning_drafts.eagle3 import Eagle3Base, load_eagle3
 from lightning_drafts.eagle3.ttt import shift_left, step_masks
-from lightning_drafts.export import load_draft_checkpoint
+from lightning_drafts.workflows.export import load_draft_checkpoint
 from tests.builders import VOCAB, packed_row, padded_rows, random_docs, stack_rows
 
 GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.acceptance import AcceptanceStats, acceptance_length, prefix_counts
-from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.core.acceptance import AcceptanceStats, acceptance_length, prefix_counts
+from lightning_drafts.core.draft_output import DraftOutput
 
 
 def chains(rows: list[str]) -> torch.Tensor:

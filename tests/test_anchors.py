@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.anchors import (
+from lightning_drafts.attention.anchors import (
     anchor_candidates,
     anchors_from_positions,
     check_anchors,
@@ -13,7 +13,7 @@ from lightning_drafts.anchors import (
     flatten_anchors,
     sample_anchors,
 )
-from lightning_drafts.batch import validate_batch
+from lightning_drafts.core.batch import validate_batch
 from tests.block_draft_cases import with_prompts
 from tests.builders import packed_row, padded_rows, random_docs, stack_rows
 

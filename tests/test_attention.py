@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.attention import (
+from lightning_drafts.attention.backends import (
     attention_with_lse,
     block_causal_mask,
     dense_mask_from_mask_mod,
     document_causal_mask_mod,
     resolve_backend,
 )
-from lightning_drafts.batch import validate_batch
+from lightning_drafts.core.batch import validate_batch
 from tests.builders import packed_row, random_docs, stack_rows
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.batch import validate_batch, varlen_layout
+from lightning_drafts.core.batch import validate_batch, varlen_layout
 from tests.builders import packed_row, random_docs, stack_rows
 
 

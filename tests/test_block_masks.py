@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.anchors import sample_anchors
-from lightning_drafts.attention import attention_with_lse, dense_mask_from_mask_mod
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.block_masks import block_layout, block_mask_mod, build_block_mask, dense_block_mask
+from lightning_drafts.attention.anchors import sample_anchors
+from lightning_drafts.attention.backends import attention_with_lse, dense_mask_from_mask_mod
+from lightning_drafts.attention.block_masks import (
+    block_layout,
+    block_mask_mod,
+    build_block_mask,
+    dense_block_mask,
+)
+from lightning_drafts.core.batch import validate_batch
 from tests.builders import packed_row, padded_rows, random_docs, stack_rows
 
 BLOCK = 3

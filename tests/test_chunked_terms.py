@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.chunked_terms import chunk_bounds, over_chunks
+from lightning_drafts.core.chunked_terms import chunk_bounds, over_chunks
 
 
 @pytest.mark.parametrize(("blocks", "size"), [(7, 3), (6, 3), (5, 1), (4, 9), (1, 2)])

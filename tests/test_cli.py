@@ -9,7 +9,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_drafts.cli import main, run_cli
+from lightning_drafts.cli.main import main, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("*.yaml"))

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_drafts import DFlashModule
-from lightning_drafts.anchors import sample_anchors
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.block_masks import block_layout
+from lightning_drafts.attention.anchors import sample_anchors
+from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.blockdraft.draft import default_target_layer_ids
+from lightning_drafts.blockdraft.objective import block_targets, decay_weights, decayed_cross_entropy
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash import load_exported_draft
-from lightning_drafts.dflash.draft import default_target_layer_ids
-from lightning_drafts.dflash.objective import block_targets, decay_weights, decayed_cross_entropy
-from lightning_drafts.export import export_checkpoint
+from lightning_drafts.workflows.export import export_checkpoint
 from tests.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,

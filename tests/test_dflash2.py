@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_drafts import DFlash2Module, DFlashModule
-from lightning_drafts.acceptance import acceptance_length, prefix_counts
-from lightning_drafts.anchors import sample_anchors
-from lightning_drafts.batch import validate_batch
+from lightning_drafts.attention.anchors import sample_anchors
+from lightning_drafts.blockdraft.conv import GroupedDynamicConv
+from lightning_drafts.core.acceptance import acceptance_length, prefix_counts
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash import load_exported_draft
-from lightning_drafts.dflash.conv import GroupedDynamicConv
 from lightning_drafts.dflash.path_selector import CandidateSelector, selector_cross_entropy
 from tests.block_draft_cases import (
     BLOCK,

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from lightning_drafts import DSparkModule
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.block_masks import block_layout
+from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.core.batch import validate_batch
+from lightning_drafts.core.ratio_metric import ratio
 from lightning_drafts.dspark.confidence_head import ConfidenceHead
 from lightning_drafts.dspark.context_features import capture_context_features, default_target_layer_ids
 from lightning_drafts.dspark.eval_mask import block_supervision, build_eval_mask
 from lightning_drafts.dspark.markov_head import MarkovHead
 from lightning_drafts.dspark.metrics import acceptance_sums
 from lightning_drafts.dspark.objective import acceptance_probability, distribution_terms
-from lightning_drafts.ratio_metric import ratio
 from tests.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,

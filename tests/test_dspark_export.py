@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_drafts.cli import main
+from lightning_drafts.cli.main import main
 from lightning_drafts.dspark import load_exported_draft
-from lightning_drafts.export import export_checkpoint
+from lightning_drafts.workflows.export import export_checkpoint
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, ROWS, perturb, twins
 from tests.test_dspark import LAYERS, fixed_anchors, make
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_drafts import Eagle3Module
-from lightning_drafts.attention import block_causal_mask
+from lightning_drafts.attention.backends import block_causal_mask
 from lightning_drafts.eagle3 import build_vocab_mapping, count_supervised_tokens
 from lightning_drafts.eagle3.ttt import TTTCache, step_weights, ttt_attention
 from tests import eagle3_checks as checks

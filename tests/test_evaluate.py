@@ -10,28 +10,23 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from callbacks import ServedAcceptanceCallback
 from lightning_drafts import Eagle3Module, MLAEagle3Module
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.cli import main
+from lightning_drafts.cli.main import main
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.eagle3 import Eagle3Base
-from lightning_drafts.eagle3.export import load_eagle3_draft
+from lightning_drafts.eagle3.reload import load_eagle3_draft
 from lightning_drafts.eagle3.speculate import load_speculator
 from lightning_drafts.eagle3.ttt import TTTCache
-from lightning_drafts.evaluate import (
-    Speculator,
-    VerifiedPrefix,
-    evaluate_export,
-    greedy_generate,
-    load_prompts_jsonl,
-    prompts_from_batch,
-    speculative_generate,
-    validate_export,
-)
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.serving.decode import greedy_generate, speculative_generate
+from lightning_drafts.serving.family import Speculator, VerifiedPrefix
+from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_batch
+from lightning_drafts.training.target import FrozenTarget
+from lightning_drafts.workflows.evaluate import evaluate_export
+from lightning_drafts.workflows.export import validate_export
 from tests.builders import (
     TINY_TARGETS,
     VOCAB,
@@ -485,7 +480,7 @@ def test_cli_evaluate_prints_the_table_and_writes_json(tmp_path, capsys):
 
 
 def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys):
-    from datamodules import load_embedded_tokenizer
+    from lightning_drafts.datamodules import load_embedded_tokenizer
 
     chats = [
         {
@@ -566,8 +561,9 @@ def test_the_callback_refuses_a_sharded_strategy_before_training(strategy):
 def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_out_split(monkeypatch):
     import argparse
 
-    import datamodules
-    from lightning_drafts import evaluate_cli
+    import lightning_drafts.datamodules as datamodules
+
+    from lightning_drafts.cli import evaluate as evaluate_cli
 
     made = []
     monkeypatch.setattr(datamodules, "PackedChatDataModule", lambda **kwargs: made.append(kwargs))

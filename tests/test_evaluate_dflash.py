@@ -12,21 +12,19 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from callbacks import ServedAcceptanceCallback
 from lightning_drafts import DFlash2Module, DFlashModule
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.block_masks import block_layout
-from lightning_drafts.cli import main
+from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.cli.main import main
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash.speculate import load_speculator, load_training_module
-from lightning_drafts.evaluate import (
-    VerifiedPrefix,
-    evaluate_export,
-    greedy_generate,
-    validate_export,
-)
+from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.serving.family import VerifiedPrefix
+from lightning_drafts.workflows.evaluate import evaluate_export
+from lightning_drafts.workflows.export import validate_export
 from tests.builders import (
     TINY_TARGETS,
     VOCAB,

@@ -11,22 +11,19 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from torch.utils.data import DataLoader
 
-from callbacks import ServedAcceptanceCallback
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.block_masks import block_layout
+from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dspark.context_features import capture_context_features
 from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.dspark.speculate import DSparkSpeculator, load_speculator, load_training_module
-from lightning_drafts.evaluate import (
-    Speculator,
-    VerifiedPrefix,
-    evaluate_export,
-    greedy_generate,
-    validate_export,
-)
+from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.serving.family import Speculator, VerifiedPrefix
+from lightning_drafts.workflows.evaluate import evaluate_export
+from lightning_drafts.workflows.export import validate_export
 from tests.block_draft_cases import perturb
 from tests.builders import TINY_TARGETS, VOCAB, PromptRows, assert_target_greedy, random_docs, rewrite_export
 from tests.test_evaluate_dflash import (

@@ -7,9 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-
-from datamodules.documents import Documents
-from datamodules.packing import (
+from lightning_drafts.datamodules.documents import Documents
+from lightning_drafts.datamodules.packing import (
     MicroBatchPlan,
     best_fit_decreasing,
     collate,
@@ -17,7 +16,8 @@ from datamodules.packing import (
     plan_epoch,
     resolve_packing,
 )
-from lightning_drafts.batch import validate_batch
+
+from lightning_drafts.core.batch import validate_batch
 
 VOCAB = 10_000
 MODES = ("buffer", "microbatch", "padded")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from lightning_drafts.datamodules import PackedChatDataModule
 
-from datamodules import PackedChatDataModule
 from lightning_drafts import Eagle3Module
 
 TARGET = {

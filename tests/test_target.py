@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.target import FrozenTarget, default_capture_layers
+from lightning_drafts.core.batch import validate_batch
+from lightning_drafts.training.target import FrozenTarget, default_capture_layers
 from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
 
 CPU_BACKENDS = ("sdpa", "eager", "flex")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.anchors import sample_anchors
-from lightning_drafts.attention import attention_with_lse, block_causal_mask, masked_attention
-from lightning_drafts.batch import validate_batch
-from lightning_drafts.block_masks import block_layout, dense_block_mask, tiled_block_mask
-from lightning_drafts.tiled_attention import tile_dense_mask
+from lightning_drafts.attention.anchors import sample_anchors
+from lightning_drafts.attention.backends import attention_with_lse, block_causal_mask, masked_attention
+from lightning_drafts.attention.block_masks import block_layout, dense_block_mask, tiled_block_mask
+from lightning_drafts.attention.tiled import tile_dense_mask
+from lightning_drafts.core.batch import validate_batch
 from tests.builders import packed_row, random_docs, stack_rows
 
 

@@ -1,6 +1,7 @@
 """DFlash and DFlash2: block-parallel drafts (dflash.md) on the shared anchor / block-mask layer."""
 
-from lightning_drafts.dflash.export import export_draft, load_exported_draft
+from lightning_drafts.dflash.export import export_draft
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
+from lightning_drafts.dflash.reload import load_exported_draft
 
 __all__ = ["DFlash2Module", "DFlashModule", "export_draft", "load_exported_draft"]

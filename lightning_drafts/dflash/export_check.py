@@ -27,14 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_drafts.dflash.draft import FOREIGN_ROPE_FIELDS
-from lightning_drafts.dflash.export import (
+from lightning_drafts.blockdraft.config_fields import check_against_target, check_rope, check_shape_fields
+from lightning_drafts.core.checks import is_int
+from lightning_drafts.dflash.layout import (
     ARCHITECTURES,
     DFLASH2_ARCHITECTURE,
     DFLASH2_FIELDS,
     draft_from_serving_config,
 )
-from lightning_drafts.export_check import (
+from lightning_drafts.serving.export_files import (
     CONFIG_FILE,
     DefectList,
     ExportFiles,
@@ -44,22 +45,9 @@ from lightning_drafts.export_check import (
     check_trained_tensors,
     read_export,
 )
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.training.target import FrozenTarget
 
 LAYER_ID_CONVENTION = "decoder-layer outputs, 0-based (HF hidden_states[id + 1])"
-# Without these an engine would build the draft from its own defaults, not from what was trained.
-REQUIRED_SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-)
 # DFlash2 tensors whose initialisation is a fixed value; still equal to it means never trained.
 ZERO_INITIALISED = ("kernel_projection.weight", "candidate_selector.successor_codebook")
 
@@ -80,15 +68,15 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
         )
     defects = DefectList(files.directory)
     dflash_config = _dflash_config(config, defects)
-    _check_shape_fields(config, defects)
+    check_shape_fields(config, defects)
     _check_attention_fields(config, defects)
-    _check_rope(config, defects)
+    check_rope(config, defects)
     block_size = _check_block_size(config, dflash_config, defects)
     mask_token_id = _check_mask_token(config, dflash_config, defects, target)
     layer_ids = _check_layer_ids(config, dflash_config, defects, target)
     if architecture == DFLASH2_ARCHITECTURE:
         _check_dflash2_sizes(config, dflash_config, block_size, defects)
-    _check_against_target(config, defects, target)
+    check_against_target(config, defects, target)
     defects.raise_if_any()
 
     _check_tensor_layout(files, architecture, defects)
@@ -113,10 +101,6 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
 # --- config checks ----------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _dflash_config(config: dict[str, Any], defects: DefectList) -> dict[str, Any]:
     dflash_config = config.get("dflash_config")
     if not isinstance(dflash_config, dict):
@@ -127,22 +111,6 @@ def _dflash_config(config: dict[str, Any], defects: DefectList) -> dict[str, Any
         )
         return {}
     return dflash_config
-
-
-def _check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
-    for name in REQUIRED_SHAPE_FIELDS:
-        if config.get(name) is None:
-            defects.add(
-                name, "missing from config.json; the engine builds the draft from it (re-export the draft)"
-            )
-    for name in REQUIRED_SHAPE_FIELDS:
-        value = config.get(name)
-        if (
-            name not in ("hidden_act", "rms_norm_eps")
-            and value is not None
-            and not (_is_int(value) and value > 0)
-        ):
-            defects.add(name, f"is {value!r}; it must be a positive int")
 
 
 def _check_attention_fields(config: dict[str, Any], defects: DefectList) -> None:
@@ -163,7 +131,7 @@ def _check_attention_fields(config: dict[str, Any], defects: DefectList) -> None
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
         defects.add("layer_types", f"is {layer_types!r}; write one entry per layer ({layers} layers)")
     if config.get("use_sliding_window") and not (
-        _is_int(config.get("sliding_window")) and config["sliding_window"] > 0
+        is_int(config.get("sliding_window")) and config["sliding_window"] > 0
     ):
         defects.add(
             "sliding_window",
@@ -171,40 +139,9 @@ def _check_attention_fields(config: dict[str, Any], defects: DefectList) -> None
         )
 
 
-def _check_rope(config: dict[str, Any], defects: DefectList) -> None:
-    theta = config.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        defects.add(
-            "rope_theta",
-            f"is {theta!r}; write the draft's positive RoPE base at the top level (readers written for "
-            "transformers 4 look for it there and default to 10000)",
-        )
-    parameters = config.get("rope_parameters")
-    if parameters is not None:
-        if not isinstance(parameters, dict):
-            defects.add("rope_parameters", f"is {parameters!r}; it must be a dict or absent")
-        elif parameters.get("rope_theta", theta) != theta:
-            defects.add(
-                "rope_parameters.rope_theta",
-                f"is {parameters.get('rope_theta')!r} but rope_theta is {theta!r}; readers pick one of the two",
-            )
-    for name in FOREIGN_ROPE_FIELDS:
-        leaked = [
-            where
-            for where, section in (("", config), ("rope_parameters.", parameters))
-            if isinstance(section, dict) and section.get(name) not in (None, 1.0)
-        ]
-        for where in leaked:
-            defects.add(
-                f"{where}{name}",
-                "is set; a Qwen3 reader would build a narrower / sectioned rotary table than the draft trained "
-                "with (drop the field)",
-            )
-
-
 def _check_block_size(config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList) -> int:
     block_size = dflash_config.get("block_size")
-    if not (_is_int(block_size) and block_size >= 2):
+    if not (is_int(block_size) and block_size >= 2):
         defects.add(
             "dflash_config.block_size",
             f"is {block_size!r}; write the block size the draft trained with (an int >= 2: the anchor plus "
@@ -225,7 +162,7 @@ def _check_mask_token(
 ) -> int | None:
     mask = dflash_config.get("mask_token_id")
     vocab = target.vocab_size if target is not None else config.get("vocab_size")
-    if not _is_int(mask) or (_is_int(vocab) and not 0 <= mask < vocab):
+    if not is_int(mask) or (is_int(vocab) and not 0 <= mask < vocab):
         defects.add(
             "dflash_config.mask_token_id",
             f"is {mask!r}; write the reserved token id the draft trained with, inside the vocabulary "
@@ -247,7 +184,7 @@ def _check_layer_ids(
     config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList, target: FrozenTarget | None
 ) -> list[int]:
     ids = dflash_config.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
         defects.add(
             "dflash_config.target_layer_ids",
             f"is {ids!r}; write the non-empty list of target decoder layers the draft's fc reads, in its "
@@ -262,7 +199,7 @@ def _check_layer_ids(
             f"is {recorded} but the target has {target.num_layers} decoder layers; the draft was made for "
             "another target",
         )
-    if _is_int(layers) and any(i >= layers for i in ids):
+    if is_int(layers) and any(i >= layers for i in ids):
         defects.add(
             "dflash_config.target_layer_ids",
             f"{ids} names layers outside the target's {layers} decoder layers (valid outputs: "
@@ -276,37 +213,23 @@ def _check_dflash2_sizes(
 ) -> None:
     for name in DFLASH2_FIELDS:
         value = dflash_config.get(name)
-        if not (_is_int(value) and value >= 1):
+        if not (is_int(value) and value >= 1):
             defects.add(f"dflash_config.{name}", f"is {value!r}; DFlash2 needs it as a positive int")
     kernel, group = dflash_config.get("conv_kernel_size"), dflash_config.get("conv_group_size")
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
-    if _is_int(kernel) and block_size and kernel > block_size:
+    if is_int(kernel) and block_size and kernel > block_size:
         defects.add(
             "dflash_config.conv_kernel_size",
             f"is {kernel}, more than block_size {block_size}; taps past the block start read only zeros",
         )
-    if _is_int(group) and group >= 1 and _is_int(hidden) and hidden % group:
+    if is_int(group) and group >= 1 and is_int(hidden) and hidden % group:
         defects.add("dflash_config.conv_group_size", f"is {group}; it must divide hidden_size {hidden}")
     top_k = dflash_config.get("selector_top_k")
-    if _is_int(top_k) and _is_int(vocab) and top_k > vocab:
+    if is_int(top_k) and is_int(vocab) and top_k > vocab:
         defects.add("dflash_config.selector_top_k", f"is {top_k}, more than the vocabulary ({vocab} tokens)")
 
 
-def _check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
-    if target is None:
-        return
-    # The draft embeds with the target's embedding and reads logits with its LM head.
-    expected = {"vocab_size": target.vocab_size, "hidden_size": target.text_config.hidden_size}
-    for name, value in expected.items():
-        if name in config and config[name] != value:
-            defects.add(
-                name,
-                f"is {config[name]} but the target has {value}; the draft reuses the target's embedding and "
-                "LM head, so it was made for another target",
-            )
-
-
-# --- tensor checks ----------------------------------------------------------------------------------
+# --- tensor checks# --- tensor checks ----------------------------------------------------------------------------------
 
 
 def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectList) -> None:

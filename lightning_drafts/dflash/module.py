@@ -16,20 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_drafts.acceptance import acceptance_length, prefix_counts
-from lightning_drafts.anchors import check_anchors, documents_shorter_than, sample_anchors
-from lightning_drafts.base import DraftModule
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.block_masks import (
+from lightning_drafts.attention.anchors import check_anchors, documents_shorter_than, sample_anchors
+from lightning_drafts.attention.block_masks import (
     BLOCK_BACKENDS,
     BlockLayout,
     block_layout,
     build_block_mask,
     resolve_block_backend,
 )
-from lightning_drafts.chunked_terms import over_chunks
-from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft, default_target_layer_ids, draft_config
-from lightning_drafts.dflash.objective import (
+from lightning_drafts.blockdraft.draft import default_target_layer_ids, draft_config
+from lightning_drafts.blockdraft.objective import (
     LOSS_EPS,
     BlockTargets,
     block_targets,
@@ -39,11 +35,18 @@ from lightning_drafts.dflash.objective import (
     sample_prefix_lengths,
     weighted_nll_sum,
 )
+from lightning_drafts.core.acceptance import acceptance_length, prefix_counts
+from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.chunked_terms import over_chunks
+from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.core.ratio_metric import ratio
+from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
+from lightning_drafts.dflash.export import export_draft
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
-from lightning_drafts.draft_output import DraftOutput
-from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
-from lightning_drafts.ratio_metric import ratio
-from lightning_drafts.target import TargetSpec
+from lightning_drafts.dflash.reload import load_into_module
+from lightning_drafts.training.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.target import TargetSpec
 
 DRAFT_BACKENDS = BLOCK_BACKENDS
 
@@ -72,7 +75,7 @@ class DFlashModule(DraftModule):
         logits_chunk_blocks: blocks whose logits exist at once. Each chunk's loss is differentiated as
             soon as it is computed and its logits freed (nothing recomputed), so ``[M, block_size - 1, V]``
             logits never exist whole; None computes them in one piece under plain autograd.
-        **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments (target backend / dtype /
+        **base_kwargs: :class:`~lightning_drafts.training.module.DraftModule` arguments (target backend / dtype /
             seed, optimiser, schedule, FSDP options). Learning rate 6e-4 and warmup 0.04 by default.
     """
 
@@ -272,15 +275,12 @@ class DFlashModule(DraftModule):
     # --- serving export ----------------------------------------------------------------------------
 
     def export(self, output_dir: str | Path) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM's ``dflash`` and SGLang load."""
-        from lightning_drafts.dflash.export import export_draft
-
+        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM's ``dflash`` and SGLang load
+        (``lightning-drafts export`` validates it against the target before it lands)."""
         return export_draft(self, Path(output_dir))
 
     def load_exported(self, path: str | Path) -> None:
         """Load exported draft weights into this module (the export's dflash_config must match)."""
-        from lightning_drafts.dflash.export import load_into_module
-
         load_into_module(self, Path(path))
 
     def dflash_config(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """DFlash / DFlash2 block drafting from an exported draft, as vLLM / SGLang run it (the evaluate plug-in).
 
 Everything about the draft comes from the export: the network from ``config.json`` + ``model.safetensors``
-(:func:`~lightning_drafts.dflash.export.load_exported_draft`), and ``block_size``, ``mask_token_id``,
+(:func:`~lightning_drafts.dflash.reload.load_exported_draft`), and ``block_size``, ``mask_token_id``,
 ``target_layer_ids`` (decoder-layer outputs, fused in the listed order) and, for DFlash2,
 ``selector_top_k`` from ``dflash_config``. The export ships no embedding and no LM head: like an engine,
 the speculator embeds with the target's embedding and reads logits with the target's LM head.
@@ -30,17 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_drafts.dflash.draft import ATTENTION_OVERRIDES, DFlash2Draft, DFlashDraft
-from lightning_drafts.dflash.export import DFLASH2_ARCHITECTURE, load_exported_draft, read_serving_config
-from lightning_drafts.dflash.export_check import validate_dflash_export
+from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES
+from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
+from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
+from lightning_drafts.dflash.layout import DFLASH2_ARCHITECTURE, read_serving_config
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
-from lightning_drafts.draft_output import DraftOutput
-from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix
-from lightning_drafts.target import FrozenTarget
-
-# Blocks per document in the training estimate: enough that every valid anchor of a served generation
-# is used, so the estimate does not depend on the anchor sampler's draw.
-ESTIMATE_ANCHORS = 512
+from lightning_drafts.dflash.reload import load_exported_draft
+from lightning_drafts.serving.family import VerifiedPrefix
+from lightning_drafts.training.target import FrozenTarget
 
 
 @dataclass(frozen=True)
@@ -139,8 +136,8 @@ def load_speculator(directory: Path, target: FrozenTarget, num_steps: int) -> DF
 def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) -> DFlashModule:
     """The module the export came from, sharing ``target``'s model, with the exported weights.
 
-    Its chains cover the whole block (training's tau_sim); with ``num_steps < block_size - 1`` the chains
-    are cut to the positions a round proposes, over the same blocks.
+    Its chains cover the whole block (training's tau_sim); the report keeps the first ``num_steps``
+    positions of each, over the same blocks.
     """
     config = read_serving_config(directory)
     module_class, extra = _module_arguments(config)
@@ -158,8 +155,6 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
         **extra,
     )
     module.load_exported(directory)
-    if num_steps < int(dflash_config["block_size"]) - 1:
-        _cut_chains(module, num_steps)
     return module
 
 
@@ -171,27 +166,6 @@ def _module_arguments(config: dict[str, Any]) -> tuple[type[DFlashModule], dict[
     return DFlash2Module, {name: dflash_config[name] for name in names}
 
 
-def _cut_chains(module: DFlashModule, num_steps: int) -> None:
-    """Make ``module.compute_loss`` report only the first ``num_steps`` positions of every chain."""
-    full = module.compute_loss
-
-    def compute_loss(*args: Any, **kwargs: Any) -> DraftOutput:
-        output = full(*args, **kwargs)
-        correct, valid = output.correct[:, :num_steps], output.valid[:, :num_steps]
-        return DraftOutput(loss=output.loss, correct=correct, valid=valid, metrics=output.metrics)
-
-    module.compute_loss = compute_loss  # type: ignore[method-assign]
-
-
 def default_num_steps(config: dict[str, Any]) -> int:
     """Every masked slot of a block: ``block_size - 1`` (vLLM's ``num_speculative_tokens``)."""
     return int(config["dflash_config"]["block_size"]) - 1
-
-
-SERVED_FAMILY = ServedFamily(
-    name="DFlash",
-    validate=validate_dflash_export,
-    load_speculator=load_speculator,
-    load_training_module=load_training_module,
-    default_num_steps=default_num_steps,
-)

@@ -1,6 +1,7 @@
-"""DSpark: the DFlash block drafter with a Markov head and a confidence head (dspark.md)."""
+"""DSpark: the block drafter with a Markov head and a confidence head (dspark.md)."""
 
-from lightning_drafts.dspark.export import export_draft, load_exported_draft
+from lightning_drafts.dspark.export import export_draft
 from lightning_drafts.dspark.module import DSparkModule
+from lightning_drafts.dspark.reload import load_exported_draft
 
 __all__ = ["DSparkModule", "export_draft", "load_exported_draft"]

@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.training.target import FrozenTarget
 
 EMBEDDING_FEATURE = -1
 

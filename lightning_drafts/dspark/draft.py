@@ -16,16 +16,16 @@ from torch import Tensor, nn
 from torch.nn.utils import skip_init
 from transformers import Qwen3Config
 
-from lightning_drafts.dflash.draft import DFlashDraft
+from lightning_drafts.blockdraft.draft import BlockDraft
 from lightning_drafts.dspark.confidence_head import ConfidenceHead
 from lightning_drafts.dspark.markov_head import MarkovHead
 
 
-class DSparkDraft(DFlashDraft):
+class DSparkDraft(BlockDraft):
     """The DSpark draft.
 
     Args:
-        config: the draft's Qwen3 config (:func:`lightning_drafts.dflash.draft.draft_config`).
+        config: the draft's Qwen3 config (:func:`lightning_drafts.blockdraft.draft.draft_config`).
         num_target_features: ``len(target_layer_ids)``.
         markov_rank: rank r of the Markov head; 0 = no head (DFlash-like logits).
         markov_head_type: ``"vanilla"``, ``"gated"`` or ``"rnn"``.
@@ -85,7 +85,7 @@ class DSparkDraft(DFlashDraft):
         block_positions: Tensor,
         mask: Tensor | object,
     ) -> Tensor:
-        """As :meth:`DFlashDraft.forward`, but the block slots come as token ids ``[M, bs]``, embedded here
+        """As :meth:`BlockDraft.forward`, but the block slots come as token ids ``[M, bs]``, embedded here
         with the draft's own copy: under FSDP2 the root's weights are unsharded only inside its forward."""
         embeddings = self.embed_tokens(block_tokens)
         return super().forward(features, context_positions, embeddings, block_positions, mask)

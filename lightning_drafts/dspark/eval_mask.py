@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.block_masks import BlockLayout
+from lightning_drafts.attention.block_masks import BlockLayout
+from lightning_drafts.core.batch import PackedBatch
 
 
 @dataclass(frozen=True)

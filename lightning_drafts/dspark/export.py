@@ -44,26 +44,19 @@ run here; the layout follows dspark.md §13 and SpecForge's ``DSparkDraftModel``
 
 from __future__ import annotations
 
-import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from lightning_drafts.dflash.export import qwen3_config_of, qwen3_serving_fields
-from lightning_drafts.dspark.draft import DSparkDraft
+from lightning_drafts.blockdraft.config_fields import qwen3_serving_fields
+from lightning_drafts.dspark.layout import HEAD_FIELDS, LAYOUTS, TARGET_COPIES
+from lightning_drafts.serving.export_files import write_export
 
 if TYPE_CHECKING:
     from lightning_drafts.dspark.module import DSparkModule
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-LAYOUTS = {"nemo": "Qwen3DSparkModel", "specforge": "DSparkDraftModel"}
-TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
-HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -110,9 +103,14 @@ def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dic
 
 
 def export_draft(
-    module: DSparkModule, output_dir: Path, layout: str | None = None, dtype: torch.dtype | None = None
+    module: DSparkModule,
+    output_dir: Path,
+    layout: str | None = None,
+    dtype: torch.dtype | None = None,
+    check: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Write ``module``'s draft to ``output_dir`` in ``layout`` and check that it reads back complete.
+    """Write ``module``'s draft to ``output_dir`` in ``layout`` (all or nothing, after ``check`` of what
+    was written).
 
     ``layout=None``: the SpecForge / SGLang layout when this draft fits it, else NeMo's (with a warning
     saying why), so every trained DSpark draft exports and evaluates without being told."""
@@ -131,15 +129,8 @@ def export_draft(
             )
         state = {key: value for key, value in state.items() if key not in TARGET_COPIES}
     dtype = dtype or module.draft.fc.weight.dtype
-    tensors = {key: value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
-    output_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (output_dir / CONFIG_FILE).write_text(json.dumps(serving_config(module, layout, dtype), indent=2) + "\n")
-    with safe_open(str(output_dir / WEIGHTS_FILE), framework="pt") as written:
-        missing = sorted(set(tensors) - set(written.keys()))
-    if missing:
-        raise ValueError(f"the export to {output_dir} lost weights {missing[:5]}; check free disk space")
-    return output_dir
+    tensors = {key: value.to(dtype) for key, value in state.items()}
+    return write_export(output_dir, serving_config(module, layout, dtype), tensors, check=check)
 
 
 def _unservable_reason(module: DSparkModule) -> str | None:
@@ -157,76 +148,3 @@ def _unservable_reason(module: DSparkModule) -> str | None:
             "own copies (freeze_embeddings=False)"
         )
     return None
-
-
-def read_export_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
-    """``config.json`` of a DSpark export, its layout, and its DSpark fields in one form."""
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(f"{path} is not a DSpark export: {CONFIG_FILE} is missing")
-    config = json.loads(config_path.read_text())
-    architecture = (config.get("architectures") or [None])[0]
-    layouts = {name: layout for layout, name in LAYOUTS.items()}
-    if architecture not in layouts:
-        raise ValueError(
-            f"{config_path} declares architectures {config.get('architectures')}; a DSpark export declares one "
-            f"of {sorted(layouts)}"
-        )
-    layout = layouts[architecture]
-    nested = config if layout == "nemo" else config.get("dflash_config", {})
-    fields = {"block_size": config["block_size"]}
-    fields.update({name: nested[name] for name in ("mask_token_id", "target_layer_ids")})
-    fields.update({name: config[name] for name in HEAD_FIELDS})
-    return config, layout, fields
-
-
-def draft_from_config(config: dict[str, Any], layer_ids: list[int], heads: dict[str, Any]) -> DSparkDraft:
-    """The draft network ``config.json`` describes (its head fields in ``heads``), with fresh weights
-    (build under ``torch.device("meta")`` to get names and shapes only)."""
-    return DSparkDraft(
-        qwen3_config_of(config),
-        len(layer_ids),
-        markov_rank=heads["markov_rank"],
-        markov_head_type=heads["markov_head_type"],
-        confidence_head=heads["enable_confidence_head"],
-        confidence_head_with_markov=heads["confidence_head_with_markov"],
-    )
-
-
-def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
-    """Rebuild the draft network of a ``nemo``-layout export (weights loaded strictly) with its config.
-
-    A SpecForge-layout export has no embedding / LM head; load it with ``DSparkModule.load_exported``,
-    whose module holds the target's.
-    """
-    path = Path(path)
-    config, layout, fields = read_export_config(path)
-    if layout != "nemo":
-        raise ValueError(
-            f"{path} is a SpecForge-layout export without the embedding / LM head; build a DSparkModule on its "
-            "target and call load_exported(path)"
-        )
-    draft = draft_from_config(config, fields["target_layer_ids"], fields)
-    state = load_file(str(path / WEIGHTS_FILE))
-    draft.to(next(iter(state.values())).dtype).load_state_dict(state, strict=True)
-    return draft, config
-
-
-def load_into_module(module: DSparkModule, path: Path) -> None:
-    """Load an export's weights into ``module``'s draft after checking it was made for this setup."""
-    _, layout, fields = read_export_config(path)
-    if fields != module.dspark_config():
-        raise ValueError(
-            f"{path} holds a DSpark draft with {fields}, but this module has {module.dspark_config()}; build the "
-            "module with matching block_size, mask_token_id, target_layer_ids and Markov / confidence heads"
-        )
-    state = load_file(str(path / WEIGHTS_FILE))
-    reference = module.draft.state_dict()
-    # The SpecForge layout leaves the embedding / LM head out: the module's copies of the target's stay.
-    expected = set(reference) - (set(TARGET_COPIES) if layout == "specforge" else set())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(reference))
-    if missing or unexpected:
-        raise ValueError(
-            f"{path} does not fit this draft: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)

@@ -34,16 +34,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_drafts.dflash.export_check import (
-    _check_against_target,
-    _check_rope,
-    _check_shape_fields,
-    _is_int,
-)
+from lightning_drafts.blockdraft.config_fields import check_against_target, check_rope, check_shape_fields
+from lightning_drafts.core.checks import is_int
 from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
-from lightning_drafts.dspark.export import HEAD_FIELDS, LAYOUTS, TARGET_COPIES, draft_from_config
+from lightning_drafts.dspark.layout import HEAD_FIELDS, LAYOUTS, TARGET_COPIES, draft_from_config
 from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
-from lightning_drafts.export_check import (
+from lightning_drafts.serving.export_files import (
     CONFIG_FILE,
     DefectList,
     ExportFiles,
@@ -53,7 +49,7 @@ from lightning_drafts.export_check import (
     check_trained_tensors,
     read_export,
 )
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.training.target import FrozenTarget
 
 LAYER_ID_CONVENTION = (
     "NeMo offset-1 feature ids: -1 = embedding output, 0..L-2 = decoder-layer outputs "
@@ -84,14 +80,14 @@ def validate_dspark_export(directory: str | Path, target: FrozenTarget | None = 
     layout = LAYOUT_OF[architecture]
     defects = DefectList(files.directory)
     section, prefix = _dspark_section(config, layout, defects)
-    _check_shape_fields(config, defects)
+    check_shape_fields(config, defects)
     _check_attention_fields(config, section, layout, defects)
-    _check_rope(config, defects)
+    check_rope(config, defects)
     block_size = _check_block_size(config, defects)
     mask_token_id = _check_mask_token(config, section, prefix, defects, target)
     layer_ids = _check_layer_ids(config, section, prefix, defects, target)
     heads = _check_heads(config, section, layout, defects)
-    _check_against_target(config, defects, target)
+    check_against_target(config, defects, target)
     defects.raise_if_any()
 
     _check_tensor_layout(files, layout, layer_ids, heads, defects)
@@ -145,7 +141,7 @@ def _check_attention_fields(
             "model_type 'qwen3'",
         )
     layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers")
-    if layer_types is not None and layer_types != ["full_attention"] * (layers if _is_int(layers) else 0):
+    if layer_types is not None and layer_types != ["full_attention"] * (layers if is_int(layers) else 0):
         defects.add(
             "layer_types",
             f"is {layer_types!r}; DSpark trains full attention: write one 'full_attention' per layer",
@@ -171,7 +167,7 @@ def _check_attention_fields(
 
 def _check_block_size(config: dict[str, Any], defects: DefectList) -> int:
     block_size = config.get("block_size")
-    if not (_is_int(block_size) and block_size >= 1):
+    if not (is_int(block_size) and block_size >= 1):
         defects.add(
             "block_size",
             f"is {block_size!r}; write the block size K the draft trained with (an int >= 1: slot k proposes "
@@ -190,7 +186,7 @@ def _check_mask_token(
 ) -> int | None:
     mask = section.get("mask_token_id")
     vocab = target.vocab_size if target is not None else config.get("vocab_size")
-    if not _is_int(mask) or (_is_int(vocab) and not 0 <= mask < vocab):
+    if not is_int(mask) or (is_int(vocab) and not 0 <= mask < vocab):
         defects.add(
             f"{prefix}mask_token_id",
             f"is {mask!r}; write the reserved token id the draft trained with, inside the vocabulary "
@@ -216,7 +212,7 @@ def _check_layer_ids(
 ) -> list[int]:
     name = f"{prefix}target_layer_ids"
     ids = section.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
         defects.add(
             name,
             f"is {ids!r}; write the non-empty list of target feature ids the draft's fc reads, in its column "
@@ -226,7 +222,7 @@ def _check_layer_ids(
     if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
         defects.add(name, f"is {ids}; ids must be strictly increasing, the order fc was trained with")
     recorded = config.get("num_target_layers")
-    if not _is_int(recorded) or recorded < 1:
+    if not is_int(recorded) or recorded < 1:
         defects.add(
             "num_target_layers",
             f"is {recorded!r}; write the target's decoder-layer count L (feature id L-1 = its final-norm "
@@ -239,7 +235,7 @@ def _check_layer_ids(
             "another target (and id L-1 would name another feature)",
         )
     layers = target.num_layers if target is not None else recorded
-    if _is_int(layers) and any(not EMBEDDING_FEATURE <= i <= layers - 1 for i in ids):
+    if is_int(layers) and any(not EMBEDDING_FEATURE <= i <= layers - 1 for i in ids):
         defects.add(
             name,
             f"{ids} names features outside the target's {layers} decoder layers (valid: -1 = embedding "
@@ -254,7 +250,7 @@ def _check_heads(
     """The Markov / confidence settings (read from the top level, as both loaders do)."""
     heads = {name: config.get(name) for name in HEAD_FIELDS}
     rank, head_type = heads["markov_rank"], heads["markov_head_type"]
-    if not (_is_int(rank) and rank >= 0):
+    if not (is_int(rank) and rank >= 0):
         defects.add("markov_rank", f"is {rank!r}; write the Markov head's rank r (an int >= 0, 0 = no head)")
     if head_type not in MARKOV_HEAD_TYPES:
         defects.add("markov_head_type", f"is {head_type!r}; write one of {list(MARKOV_HEAD_TYPES)}")

@@ -11,7 +11,7 @@
   ``confidence_cumprod_bias`` = mean of ``prod_{j<=k} sigmoid(c_j) eval_j - prod_{j<=k} alpha_j eval_j``.
 
 Ratios are kept as sums so a log over ranks and steps is the ratio of the sums, never a mean of ratios
-(:mod:`lightning_drafts.ratio_metric`).
+(:mod:`lightning_drafts.core.ratio_metric`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_drafts.ratio_metric import Sums
+from lightning_drafts.core.ratio_metric import Sums
 
 
 def acceptance_sums(alpha: Tensor, valid: Tensor) -> Sums:

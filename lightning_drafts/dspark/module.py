@@ -18,19 +18,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_drafts.anchors import check_anchors, sample_anchors
-from lightning_drafts.base import DraftModule
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.block_masks import (
+from lightning_drafts.attention.anchors import check_anchors, sample_anchors
+from lightning_drafts.attention.block_masks import (
     BLOCK_BACKENDS,
     BlockLayout,
     block_layout,
     build_block_mask,
     resolve_block_backend,
 )
-from lightning_drafts.chunked_terms import over_chunks
-from lightning_drafts.dflash.draft import draft_config
-from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.blockdraft.draft import draft_config
+from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.chunked_terms import over_chunks
+from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.core.ratio_metric import Sums, ratio
 from lightning_drafts.dspark.context_features import (
     capture_context_features,
     check_target_layer_ids,
@@ -38,6 +38,7 @@ from lightning_drafts.dspark.context_features import (
 )
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.eval_mask import BlockSupervision, block_supervision
+from lightning_drafts.dspark.export import export_draft
 from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
 from lightning_drafts.dspark.metrics import acceptance_sums, confidence_sums
 from lightning_drafts.dspark.objective import (
@@ -49,9 +50,10 @@ from lightning_drafts.dspark.objective import (
     distribution_terms,
     normalise,
 )
-from lightning_drafts.hyperparameters import check_mask_token_id, check_positive_int
-from lightning_drafts.ratio_metric import Sums, ratio
-from lightning_drafts.target import TargetSpec
+from lightning_drafts.dspark.reload import load_into_module
+from lightning_drafts.training.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.target import TargetSpec
 
 LOSS_TERMS = ("ce_loss", "tv_loss", "confidence_loss")
 
@@ -83,9 +85,9 @@ class DSparkModule(DraftModule):
         draft_seed: seed of the draft's initial weights.
         logits_chunk_blocks: blocks whose ``[blocks, K, V]`` logits exist at once (each chunk is
             differentiated as soon as it is computed, nothing recomputed); None = one piece.
-        **base_kwargs: :class:`~lightning_drafts.base.DraftModule` arguments. Learning rate 6e-4 by default.
+        **base_kwargs: :class:`~lightning_drafts.training.module.DraftModule` arguments. Learning rate 6e-4 by default.
 
-    ``compute_loss`` returns a :class:`~lightning_drafts.draft_output.DraftOutput`: ``correct`` /
+    ``compute_loss`` returns a :class:`~lightning_drafts.core.draft_output.DraftOutput`: ``correct`` /
     ``valid`` ``[M, K]`` (argmax of the Markov-corrected logits with teacher-forced previous tokens ==
     gold; the eval mask), metrics ``accept_rate_k{k}``, ``accept_rate``, ``tau``, the confidence
     calibration, ``ce_loss`` / ``tv_loss`` / ``confidence_loss`` and ``blocks``.
@@ -288,14 +290,10 @@ class DSparkModule(DraftModule):
         (with the embedding / LM head copies); None (default) takes SpecForge's when the draft fits it
         (vanilla Markov head, frozen copies), else NeMo's with a warning. Both reload with
         :meth:`load_exported`."""
-        from lightning_drafts.dspark.export import export_draft
-
         return export_draft(self, Path(output_dir), layout=layout)
 
     def load_exported(self, path: str | Path) -> None:
         """Load an export (either layout) into this module after checking it was made for this setup."""
-        from lightning_drafts.dspark.export import load_into_module
-
         load_into_module(self, Path(path))
 
     def dspark_config(self) -> dict[str, Any]:

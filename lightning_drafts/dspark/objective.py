@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # Reused, not copied: DSpark's position decay and epsilon are DFlash's (exp(-k / gamma), 1e-6).
-from lightning_drafts.dflash.objective import LOSS_EPS, decay_weights
+from lightning_drafts.blockdraft.objective import LOSS_EPS, decay_weights
 
 __all__ = [
     "LOSS_EPS",

@@ -45,21 +45,16 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from lightning_drafts.dflash.draft import ATTENTION_OVERRIDES
-from lightning_drafts.dflash.speculate import ESTIMATE_ANCHORS, _cut_chains
+from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES
+from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
 from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
 from lightning_drafts.dspark.draft import DSparkDraft
-from lightning_drafts.dspark.export import (
-    TARGET_COPIES,
-    WEIGHTS_FILE,
-    draft_from_config,
-    load_exported_draft,
-    read_export_config,
-)
-from lightning_drafts.dspark.export_check import validate_dspark_export
+from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_export_config
 from lightning_drafts.dspark.module import DSparkModule
-from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.dspark.reload import load_exported_draft
+from lightning_drafts.serving.export_files import WEIGHTS_FILE
+from lightning_drafts.serving.family import VerifiedPrefix
+from lightning_drafts.training.target import FrozenTarget
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,7 @@ class DSparkSpeculator:
     Args:
         draft: the draft network as loaded from the export, its ``embed_tokens`` / ``lm_head`` either the
             export's (NeMo layout) or the target's own modules (SpecForge layout).
-        fields: the export's DSpark fields (:func:`~lightning_drafts.dspark.export.read_export_config`).
+        fields: the export's DSpark fields (:func:`~lightning_drafts.dspark.layout.read_export_config`).
         num_target_layers: L_t, the target's decoder-layer count (feature id L_t - 1 = final-norm output).
         num_steps: tokens proposed per round (at most ``block_size``).
     """
@@ -201,8 +196,8 @@ def load_speculator(directory: Path, target: FrozenTarget, num_steps: int) -> DS
 def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) -> DSparkModule:
     """The module the export came from, sharing ``target``'s model, with the exported weights.
 
-    Its chains cover the whole block (training's tau_sim); with ``num_steps < block_size`` the chains are
-    cut to the positions a round proposes, over the same blocks. Loss weights only change the loss, not
+    Its chains cover the whole block (training's tau_sim); the report keeps the first ``num_steps``
+    positions of each, over the same blocks. Loss weights only change the loss, not
     the chains; they are taken from the export's record where it has one.
     """
     config, _, fields = read_export_config(directory)
@@ -228,20 +223,9 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
         target_attn_backend=target.requested_backend,
     )
     module.load_exported(directory)
-    if num_steps < int(fields["block_size"]):
-        _cut_chains(module, num_steps)
     return module
 
 
 def default_num_steps(config: dict[str, Any]) -> int:
     """Every slot of a block: ``block_size`` (slot 0 proposes too, unlike DFlash)."""
     return int(config["block_size"])
-
-
-SERVED_FAMILY = ServedFamily(
-    name="DSpark",
-    validate=validate_dspark_export,
-    load_speculator=load_speculator,
-    load_training_module=load_training_module,
-    default_num_steps=default_num_steps,
-)

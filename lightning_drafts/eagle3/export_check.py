@@ -24,12 +24,11 @@ import torch
 from transformers import LlamaConfig
 
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
-from lightning_drafts.eagle3.export import DENSE_ARCHITECTURE, MLA_ARCHITECTURE
+from lightning_drafts.eagle3.layout import DENSE_ARCHITECTURE, INIT_CHECKED_TENSORS, MLA_ARCHITECTURE
 from lightning_drafts.eagle3.llama_draft import LlamaDraftConfig, LlamaEagle3Draft
 from lightning_drafts.eagle3.mla_draft import MLADraftConfig, MLAEagle3Draft
-from lightning_drafts.eagle3.module import INIT_CHECKED_TENSORS
 from lightning_drafts.eagle3.rope import FrequencyTable, default_inverse_frequencies, llama_rope_table
-from lightning_drafts.export_check import (
+from lightning_drafts.serving.export_files import (
     CONFIG_FILE,
     DefectList,
     ExportFiles,
@@ -39,7 +38,7 @@ from lightning_drafts.export_check import (
     read_export,
     tensor_fingerprint,
 )
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.training.target import FrozenTarget
 
 VLLM_LAYER_FIELD = "eagle_aux_hidden_state_layer_ids"
 SGLANG_LAYER_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"

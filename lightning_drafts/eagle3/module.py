@@ -15,11 +15,17 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_drafts.attention import block_causal_mask, block_mask_from_mask_mod, document_causal_mask_mod
-from lightning_drafts.base import DraftModule
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.attention.backends import (
+    block_causal_mask,
+    block_mask_from_mask_mod,
+    document_causal_mask_mod,
+)
+from lightning_drafts.attention.tiled import tile_dense_mask
+from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
+from lightning_drafts.eagle3.export import export_eagle3
+from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
 from lightning_drafts.eagle3.llama_draft import build_llama_draft
 from lightning_drafts.eagle3.mla_draft import build_mla_draft
 from lightning_drafts.eagle3.ttt import TeacherSignal, eagle3_objective, ttt_unroll
@@ -30,13 +36,11 @@ from lightning_drafts.eagle3.vocab_mapping import (
     count_supervised_tokens,
     load_token_counts,
 )
-from lightning_drafts.export_check import initial_fingerprints
-from lightning_drafts.target import TargetSpec, default_capture_layers
-from lightning_drafts.tiled_attention import tile_dense_mask
+from lightning_drafts.serving.export_files import initial_fingerprints
+from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.target import TargetSpec, default_capture_layers
 
 DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
-# Trained from a random init: an export holding them bit-identical to it cannot serve (export_check).
-INIT_CHECKED_TENSORS = ("lm_head.weight",)
 
 
 class Eagle3Base(DraftModule):
@@ -54,7 +58,7 @@ class Eagle3Base(DraftModule):
             train loader in ``setup``; or call :meth:`build_vocab_mapping` yourself before training.
         draft_attn_backend: ``"auto"`` (flex ``BlockMask`` on CUDA, dense block-causal mask elsewhere),
             ``"sdpa"`` / ``"eager"`` (dense mask), or ``"flex"``.
-        **kwargs: every :class:`~lightning_drafts.base.DraftModule` argument (optimiser, target backend...).
+        **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
     def __init__(
@@ -237,8 +241,6 @@ class Eagle3Base(DraftModule):
 
     def export(self, output_dir: str | Path) -> Path:
         """Write the serving layout (see :mod:`lightning_drafts.eagle3.export`)."""
-        from lightning_drafts.eagle3.export import export_eagle3
-
         return export_eagle3(self, output_dir)
 
 

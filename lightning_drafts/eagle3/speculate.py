@@ -1,7 +1,7 @@
 """EAGLE-3 chain drafting from an exported draft, as vLLM / SGLang run it (the evaluate plug-in).
 
 Everything comes from the export: the draft network from ``config.json`` + ``model.safetensors``
-(:func:`~lightning_drafts.eagle3.export.load_eagle3_draft`), the captured layers from vLLM's
+(:func:`~lightning_drafts.eagle3.reload.load_eagle3_draft`), the captured layers from vLLM's
 ``eagle_aux_hidden_state_layer_ids`` (layer *inputs*, so ``id - 1`` names the layer output; the
 validator has checked it against SGLang's field and the training record), and draft-to-target ids from
 the exported ``d2t`` offsets, ``target = draft + d2t[draft]``.
@@ -29,12 +29,12 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
-from lightning_drafts.eagle3.export import load_eagle3, load_eagle3_draft
-from lightning_drafts.eagle3.export_check import served_layer_ids, validate_eagle3_export
+from lightning_drafts.eagle3.export_check import served_layer_ids
 from lightning_drafts.eagle3.module import Eagle3Base
+from lightning_drafts.eagle3.reload import load_eagle3, load_eagle3_draft
 from lightning_drafts.eagle3.ttt import TTTCache
-from lightning_drafts.evaluate import ServedFamily, VerifiedPrefix
-from lightning_drafts.target import FrozenTarget
+from lightning_drafts.serving.family import VerifiedPrefix
+from lightning_drafts.training.target import FrozenTarget
 
 
 class Eagle3Speculator:
@@ -109,12 +109,3 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
 def default_num_steps(config: dict[str, Any]) -> int:
     """The ``ttt_length`` the draft was trained with (the depth its estimate covers)."""
     return int((config.get("lightning_drafts") or {}).get("ttt_length") or 3)
-
-
-SERVED_FAMILY = ServedFamily(
-    name="EAGLE-3",
-    validate=validate_eagle3_export,
-    load_speculator=load_speculator,
-    load_training_module=load_training_module,
-    default_num_steps=default_num_steps,
-)

@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_drafts.attention import attention_with_lse
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.draft_output import DraftOutput
+from lightning_drafts.attention.backends import attention_with_lse
+from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.draft_output import DraftOutput
 
 
 @dataclass

@@ -33,7 +33,7 @@ from lightning_drafts import (  # noqa: E402
     Eagle3Module,
     MLAEagle3Module,
 )
-from lightning_drafts.batch import validate_batch  # noqa: E402
+from lightning_drafts.core.batch import validate_batch  # noqa: E402
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, ROWS, perturb, to_padded, twins  # noqa: E402
 from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs  # noqa: E402
 from tests.eagle3_checks import frequencies  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_drafts.cli import main
+from lightning_drafts.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE_BOUND = ("target", "target_layer_ids", "mask_token_id", "draft_vocab_size")

@@ -1,14 +1,16 @@
-"""Export a trained draft checkpoint in the layout its serving engine loads."""
+"""Export a trained draft checkpoint in the layout its serving engine loads, and validate an export."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from pathlib import Path
 
 import torch
 
-from lightning_drafts.base import DraftModule
+from lightning_drafts.registry import REGISTRY
+from lightning_drafts.serving.export_files import ExportSummary, staged_export
+from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.target import FrozenTarget
 
 
 def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None) -> DraftModule:
@@ -34,15 +36,16 @@ def export_checkpoint(
     """Load ``checkpoint_path``, write its serving layout to ``output_dir`` and validate what was written
     (a defect raises ``ValueError`` naming the field). ``layout`` chooses among a family's layouts
     (DSpark: ``specforge`` / ``nemo``); None takes the family's default."""
-    from lightning_drafts.evaluate import validate_export
-
     module = load_draft_checkpoint(checkpoint_path, target=target)
-    if layout is None:
-        path = module.export(Path(output_dir))
-    elif "layout" in inspect.signature(module.export).parameters:
-        path = module.export(Path(output_dir), layout=layout)
-    else:
-        raise ValueError(f"layout {layout!r} was given, but {type(module).__name__} exports one layout only")
-    # What serving reads is checked against the target it will serve with, for every family.
-    validate_export(path, target=module.target)
-    return path
+    family = REGISTRY.for_module(module)
+    # What serving reads is checked against the target it will serve with, for every family, before it
+    # lands: a refused export leaves output_dir as it was.
+    with staged_export(output_dir) as staging:
+        family.export(module, staging, layout=layout)
+        family.validate(staging, module.target)
+    return Path(output_dir)
+
+
+def validate_export(directory: str | Path, target: FrozenTarget | None = None) -> ExportSummary:
+    """Run the family validator of the export in ``directory`` (``ValueError`` on any defect)."""
+    return REGISTRY.for_export(directory).validate(Path(directory), target)

@@ -6,7 +6,7 @@ Examples::
     lightning-drafts evaluate DIR --target meta-llama/Llama-3.1-8B-Instruct --prompts prompts.jsonl --json r.json
 
 Prompt sources, first match wins: ``--prompts`` (JSONL of token ids), ``--data-files`` (chat files,
-tokenised by ``datamodules.PackedChatDataModule``), ``--config`` / ``--data-config`` (a ``fit`` config:
+tokenised by ``lightning_drafts.datamodules.PackedChatDataModule``), ``--config`` / ``--data-config`` (a ``fit`` config:
 its ``data`` section gives the same held-out split training validated on), else the embedded corpus with
 the quickstart split.
 """
@@ -21,7 +21,8 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_drafts.evaluate import evaluate_export, load_prompts_jsonl, prompts_from_datamodule
+from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
+from lightning_drafts.workflows.evaluate import evaluate_export
 
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
@@ -143,7 +144,7 @@ def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]
 
 def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None) -> Any:
     """The fit config's ``PackedChatDataModule`` (same split), or one over ``--data-files`` / the embedded corpus."""
-    from datamodules import PackedChatDataModule
+    from lightning_drafts.datamodules import PackedChatDataModule
 
     init_args = dict(((config.get("data") or {}).get("init_args")) or {})
     if parsed is not None and parsed.data_files is not None:

@@ -1,10 +1,10 @@
 """Document-isolating attention: mask builders and the kernel choice shared by target and drafts.
 
 Three ways to keep packed documents apart, all derived from the per-token document ids of
-:class:`~lightning_drafts.batch.PackedBatch`:
+:class:`~lightning_drafts.core.batch.PackedBatch`:
 
 * ``sdpa`` (and ``eager``): a dense boolean block-causal mask ``[B, 1, T, T]`` (the CPU path); drafts
-  cut it into a :class:`~lightning_drafts.tiled_attention.TiledMask` so their attention skips the keys
+  cut it into a :class:`~lightning_drafts.attention.tiled.TiledMask` so their attention skips the keys
   no query sees (``eager`` keeps the plain dense math as a reference);
 * ``flex``: a sparse flex-attention ``BlockMask`` built from a ``mask_mod`` (the GPU path; mask creation
   and the kernel are compiled once, lazily, on CUDA only: compiling costs seconds and CPU flex has no
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_drafts.tiled_attention import TiledMask, tiled_attention
+from lightning_drafts.attention.tiled import TiledMask, tiled_attention
 
 BACKENDS = ("sdpa", "eager", "flex", "flash")
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -106,7 +106,7 @@ def attention_with_lse(
     """Masked attention that also returns the fp32 log-sum-exp of the scores per query.
 
     ``mask`` is a boolean ``[B, 1|H, Q, KV]`` tensor (computed densely, softmax in fp32: the reference),
-    a :class:`~lightning_drafts.tiled_attention.TiledMask` (the fast CPU path) or a flex ``BlockMask``
+    a :class:`~lightning_drafts.attention.tiled.TiledMask` (the fast CPU path) or a flex ``BlockMask``
     (GPU). Drafts that add extra key columns outside the mask (EAGLE-3's TTT diagonal) merge them
     through the returned log-sum-exp, so it carries gradients. A query with no visible key returns
     zeros and ``-inf``, never NaN.

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.block_masks import BlockLayout
+from lightning_drafts.attention.block_masks import BlockLayout
+from lightning_drafts.core.batch import PackedBatch
 
 LOSS_EPS = 1e-6
+# Blocks per document in the training estimate of an export: enough that every valid anchor of a served
+# generation is used, so the estimate does not depend on the anchor sampler's draw.
+ESTIMATE_ANCHORS = 512
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_drafts.batch import PackedBatch
+from lightning_drafts.core.batch import PackedBatch
 
 
 @dataclass(frozen=True)

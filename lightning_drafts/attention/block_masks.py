@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_drafts.anchors import flatten_anchors
-from lightning_drafts.attention import MaskMod, block_mask_from_mask_mod, resolve_backend
-from lightning_drafts.batch import PackedBatch
-from lightning_drafts.tiled_attention import TILE_QUERIES, TiledMask, assemble, visible_columns
+from lightning_drafts.attention.anchors import flatten_anchors
+from lightning_drafts.attention.backends import MaskMod, block_mask_from_mask_mod, resolve_backend
+from lightning_drafts.attention.tiled import TILE_QUERIES, TiledMask, assemble, visible_columns
+from lightning_drafts.core.batch import PackedBatch
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def dense_block_mask(layout: BlockLayout, sliding_window: int | None = None) -> 
 
 
 def tiled_block_mask(layout: BlockLayout, sliding_window: int | None = None) -> TiledMask:
-    """:func:`block_mask_mod` as a :class:`~lightning_drafts.tiled_attention.TiledMask`.
+    """:func:`block_mask_mod` as a :class:`~lightning_drafts.attention.tiled.TiledMask`.
 
     A tile holds whole consecutive blocks. Blocks are ordered row-major and anchors ascend inside a
     row, so a tile's context candidates are the hull of its blocks' context ranges (about one document)
@@ -196,7 +196,7 @@ def _tile_context_bounds(layout: BlockLayout, per_tile: int) -> list[tuple[int, 
 def build_block_mask(
     layout: BlockLayout, backend: str, sliding_window: int | None = None
 ) -> Tensor | TiledMask | object:
-    """The mask for ``backend``: a :class:`~lightning_drafts.tiled_attention.TiledMask` for ``"sdpa"``,
+    """The mask for ``backend``: a :class:`~lightning_drafts.attention.tiled.TiledMask` for ``"sdpa"``,
     the dense bool tensor for ``"eager"`` (the reference math), a flex ``BlockMask`` for ``"flex"``.
     Build it once per batch; every draft layer reuses it."""
     if backend == "sdpa":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_drafts.target import FrozenTarget
+    from lightning_drafts.training.target import FrozenTarget
 
 
 def check_positive_int(name: str, value: Any) -> None:

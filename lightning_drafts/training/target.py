@@ -10,14 +10,14 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lightning_drafts.attention import (
+from lightning_drafts.attention.backends import (
     additive_mask,
     block_causal_mask,
     block_mask_from_mask_mod,
     document_causal_mask_mod,
     resolve_backend,
 )
-from lightning_drafts.batch import PackedBatch, varlen_layout
+from lightning_drafts.core.batch import PackedBatch, varlen_layout
 
 TargetSpec = str | dict | PreTrainedModel
 

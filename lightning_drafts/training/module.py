@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_drafts.batch import PackedBatch, validate_batch
-from lightning_drafts.draft_output import DraftOutput
-from lightning_drafts.ratio_metric import RatioSum, ratio_metrics
-from lightning_drafts.schedule import warmup_cosine
-from lightning_drafts.target import FrozenTarget, TargetSpec, as_dtype
+from lightning_drafts.core.batch import PackedBatch, validate_batch
+from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
+from lightning_drafts.core.schedule import warmup_cosine
+from lightning_drafts.training.target import FrozenTarget, TargetSpec, as_dtype
 
 TARGET_PREFIX = "target."
 
@@ -36,7 +36,7 @@ class DraftModule(L.LightningModule):
         target: hub id / local path, config dict (random tiny target, seeded by ``target_seed``), or a
             ``transformers.PreTrainedModel``.
         target_attn_backend: ``"auto"``, ``"sdpa"``, ``"eager"``, ``"flex"`` or ``"flash"`` (see
-            :mod:`lightning_drafts.attention`).
+            :mod:`lightning_drafts.attention.backends`).
         target_dtype: the target's parameter dtype (``None`` keeps the checkpoint's).
         learning_rate, betas, weight_decay: AdamW over the draft's trainable parameters.
         warmup_ratio, min_lr_ratio: the warmup-cosine schedule over the run's optimizer steps.
@@ -149,7 +149,7 @@ class DraftModule(L.LightningModule):
         return registered[key]
 
     def configure_callbacks(self) -> list[L.Callback]:
-        from callbacks.acceptance import AcceptanceCallback
+        from lightning_drafts.callbacks.acceptance import AcceptanceCallback
 
         # A user-configured AcceptanceCallback wins; otherwise a module still logs acceptance on its own.
         if any(isinstance(cb, AcceptanceCallback) for cb in self.trainer.callbacks):

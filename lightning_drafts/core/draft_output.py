@@ -13,12 +13,12 @@ class DraftOutput:
     """The loss of one micro-batch and its prediction chains.
 
     ``correct`` and ``valid`` are bool ``[M, K]``: M chains of K positions (see
-    :mod:`lightning_drafts.acceptance`); ``correct`` is only meaningful where ``valid``.
+    :mod:`lightning_drafts.core.acceptance`); ``correct`` is only meaningful where ``valid``.
     ``valid_tokens`` counts supervised predictions (it can differ from ``valid.sum()``, e.g. EAGLE-3
     drops out-of-draft-vocabulary targets from the loss but keeps them as chain misses); ``metrics``
     holds family-specific scalars to log (e.g. ``candidate_recall``); ``sums`` holds, for those of them
     that are ratios, the exact ``(numerator, denominator)`` the module logs as a ratio of sums over steps
-    and ranks (:mod:`lightning_drafts.ratio_metric`).
+    and ranks (:mod:`lightning_drafts.core.ratio_metric`).
     """
 
     loss: Tensor

@@ -13,8 +13,8 @@ import sys
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from datamodules import PackedChatDataModule
-from lightning_drafts.base import DraftModule
+from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.training.module import DraftModule
 
 
 class DraftCLI(LightningCLI):
@@ -44,7 +44,7 @@ def main(args: list[str] | None = None) -> None:
         export_main(args[1:])
         return
     if args[:1] == ["evaluate"]:
-        from lightning_drafts.evaluate_cli import evaluate_main
+        from lightning_drafts.cli.evaluate import evaluate_main
 
         evaluate_main(args[1:])
         return
@@ -64,7 +64,7 @@ def run_cli(args: list[str]) -> DraftCLI:
 
 
 def export_main(args: list[str]) -> None:
-    from lightning_drafts.export import export_checkpoint
+    from lightning_drafts.workflows.export import export_checkpoint
 
     parser = argparse.ArgumentParser(
         prog="lightning-drafts export",

@@ -1,22 +1,27 @@
-"""Family-agnostic pieces of the export validator: reading an export and reporting its defects.
+"""Export files for every family: writing an export atomically, reading it back, reporting its defects.
 
 The most reported failure of draft trainers is an export that trains well and serves badly (wrong
 captured-layer ids, a missing or never-trained LM head, a ``d2t`` read differently, RoPE settings
-lost). Each family checks its own layout with these helpers and raises one ``ValueError`` that lists
-every defect, each naming the config field or tensor at fault and the fix.
+lost). Each family writes its layout with :func:`write_export`, checks it with these helpers and raises
+one ``ValueError`` that lists every defect, each naming the config field or tensor at fault and the fix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 CONFIG_FILE = "config.json"
@@ -53,6 +58,55 @@ class ExportFiles:
     def tensor(self, name: str) -> Tensor:
         with safe_open(str(self.directory / WEIGHTS_FILE), framework="pt") as weights:
             return weights.get_tensor(name)
+
+
+@contextmanager
+def staged_export(output_dir: str | Path) -> Iterator[Path]:
+    """A temporary directory beside ``output_dir`` to write an export into; when the block ends without
+    an error, its files are moved into ``output_dir``; otherwise nothing there changes.
+
+    A ``ValueError`` raised inside names ``output_dir``, not the temporary directory.
+    """
+    output = Path(output_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        try:
+            yield staging
+        except ValueError as error:
+            raise ValueError(str(error).replace(str(staging), str(output))) from error
+        if not output.exists():
+            os.chmod(staging, 0o755)
+            staging.rename(output)
+            return
+        for path in staging.iterdir():
+            os.replace(path, output / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_export(
+    output_dir: str | Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, Tensor],
+    check: Callable[[Path], Any] | None = None,
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into ``output_dir``, all or nothing: staged
+    (:func:`staged_export`), read back, and checked by ``check(staged_dir)`` (a family's validator) before
+    they land. Files are readable by others (0644), as a model directory shared with an engine must be."""
+    with staged_export(output_dir) as staging:
+        weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+        save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            os.chmod(staging / name, 0o644)
+        with safe_open(str(staging / WEIGHTS_FILE), framework="pt") as written:
+            lost = sorted(set(weights) - set(written.keys()))
+        if lost:
+            raise ValueError(f"the export to {output_dir} lost weights {lost[:5]}; check free disk space")
+        if check is not None:
+            check(staging)
+    return Path(output_dir)
 
 
 def read_export(directory: str | Path) -> ExportFiles:

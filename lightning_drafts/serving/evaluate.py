@@ -1,0 +1,130 @@
+"""Serving-faithful acceptance of an **exported** draft directory, for a given family.
+
+Training metrics can look excellent while the exported draft accepts about one token in vLLM / SGLang
+(wrong captured layers, a missing LM head, ``d2t`` read differently, RoPE settings lost). This measures
+what serving would see: it validates the export, loads it through its family's loader (the files an
+engine reads, not the in-memory module), drafts with it (:mod:`lightning_drafts.serving.decode`),
+verifies with the frozen target, and reports the real acceptance next to the training-time estimate of
+the same checkpoint on the same prompts (:mod:`lightning_drafts.serving.report`).
+
+:func:`lightning_drafts.workflows.evaluate.evaluate_export` finds the family of an export by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_drafts.serving.decode import as_prompt, greedy_generate, speculative_generate
+from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
+from lightning_drafts.serving.family import DraftFamily
+from lightning_drafts.serving.report import EvaluationReport, served_acceptance, training_estimate
+from lightning_drafts.training.target import FrozenTarget, TargetSpec
+
+
+def evaluate_family_export(
+    family: DraftFamily,
+    export_dir: str | Path,
+    prompts: Sequence[Tensor | Sequence[int]],
+    target: FrozenTarget | TargetSpec | None = None,
+    max_new_tokens: int = 64,
+    num_steps: int | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+    with_training_estimate: bool = True,
+    check_lossless: bool = False,
+    target_seed: int | None = None,
+    target_attn_backend: str = "sdpa",
+    target_dtype: str | None = None,
+    device: str | torch.device | None = None,
+) -> EvaluationReport:
+    """Validate, load and serve ``family``'s export in ``export_dir`` on ``prompts``; report served vs
+    training acceptance.
+
+    Args:
+        prompts: token-id prompts (1-D tensors or lists), in the target's vocabulary.
+        target: a :class:`FrozenTarget` (shared, e.g. by a training run), a hub id / path / config dict,
+            or ``None`` for the target the export records.
+        num_steps: tokens proposed per round (``None``: the family default, e.g. EAGLE-3's ``ttt_length``).
+        stop_token_ids: end a generation after any of these (``None``: the target's ``eos_token_id``).
+        with_training_estimate: also compute tau_sim of the same checkpoint on the same documents.
+        check_lossless: also run the target's plain greedy decode and compare token for token.
+        target_attn_backend: for a target built here; every forward holds one sequence, so plain causal
+            SDPA serves on CPU and GPU alike (no packing kernel, no compilation).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompts:
+        raise ValueError("no prompts to evaluate on; pass at least one token-id prompt")
+    directory = Path(export_dir)
+    config = read_export(directory).config
+    frozen = resolve_target(target, config, directory, target_seed, target_attn_backend, target_dtype, device)
+    summary = family.validate(directory, frozen)
+    steps = family.default_num_steps(config) if num_steps is None else num_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"num_steps={steps!r} must be an int >= 1 (tokens proposed per verify round)")
+    stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
+    speculator = family.load_speculator(directory, frozen, steps)
+    prompt_tensors = [as_prompt(p, frozen) for p in prompts]
+    generations = [speculative_generate(frozen, speculator, p, max_new_tokens, stop) for p in prompt_tensors]
+    lossless = None
+    if check_lossless:
+        lossless = all(
+            g.tokens == greedy_generate(frozen, p, max_new_tokens, stop)
+            for p, g in zip(prompt_tensors, generations, strict=True)
+        )
+    training = None
+    if with_training_estimate:
+        module = family.load_training_module(directory, frozen, steps)
+        if module is not None:
+            module.to(frozen.lm_head.weight.device).eval()
+            continuations = [g.tokens for g in generations]
+            training = training_estimate(module, prompt_tensors, continuations, num_steps=steps)
+    return EvaluationReport(
+        export_dir=str(directory),
+        architecture=summary.architecture,
+        num_steps=steps,
+        max_new_tokens=max_new_tokens,
+        num_prompts=len(prompt_tensors),
+        generated_tokens=sum(len(g.tokens) for g in generations),
+        rounds=sum(len(g.accepted) for g in generations),
+        served=served_acceptance(generations, steps),
+        training=training,
+        lossless=lossless,
+        export=summary,
+        prompts=[p.tolist() for p in prompt_tensors],
+        generations=[g.tokens for g in generations],
+    )
+
+
+def resolve_target(
+    target: FrozenTarget | TargetSpec | None,
+    config: Mapping[str, Any],
+    directory: Path,
+    seed: int | None = None,
+    attn_backend: str = "sdpa",
+    dtype: str | None = None,
+    device: str | torch.device | None = None,
+) -> FrozenTarget:
+    """The frozen target to serve with: the one given, or the one the export records (``lightning_drafts.training.target``)."""
+    if isinstance(target, FrozenTarget):
+        return target if device is None else target.to(device)
+    record = config.get("lightning_drafts") or {}
+    spec = record.get("target") if target is None else target
+    if spec is None:
+        raise ValueError(
+            f"{directory / CONFIG_FILE} does not record its target (lightning_drafts.training.target); pass the target "
+            "(hub id / path / config dict) explicitly"
+        )
+    seed = record.get("target_seed", 0) if seed is None else seed
+    frozen = FrozenTarget(spec, attn_backend=attn_backend, dtype=dtype, seed=seed)
+    return frozen if device is None else frozen.to(device)
+
+
+def _stop_tokens(target: FrozenTarget) -> set[int]:
+    eos = getattr(target.text_config, "eos_token_id", None)
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return {int(i) for i in ids if i is not None}

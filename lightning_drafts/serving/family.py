@@ -1,0 +1,152 @@
+"""The seam a draft family plugs in through: one :class:`DraftFamily` record per family folder, listed
+once in :mod:`lightning_drafts.registry`.
+
+Export, validation, ``evaluate``, the CLI and the served-acceptance callback find a family by the class of
+a module or by the ``architectures[0]`` of an export, through a :class:`FamilyRegistry`; nothing else
+names a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from lightning_drafts.serving.export_files import CONFIG_FILE, ExportSummary, architecture_of, read_export
+from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.target import FrozenTarget
+
+
+@dataclass(frozen=True)
+class VerifiedPrefix:
+    """What a speculator sees at the start of a round (one sequence, no batch dimension).
+
+    Attributes:
+        tokens: long ``[L]``, the prompt and every emitted token. The last one (the previous round's
+            bonus / correction token, or the prefill's first token) is verified but has no target
+            features yet: the target has not run on it.
+        hidden_states: one ``[L - 1, H_t]`` tensor per id in the speculator's ``target_layer_ids``, in
+            that order: the target's decoder-layer **outputs** (HF ``hidden_states[id + 1]``) at
+            ``tokens[:-1]``.
+        last_hidden_state: ``[L - 1, H_t]``, the target's final-norm hidden state at ``tokens[:-1]``
+            (what its LM head reads).
+        target: the frozen target, for drafts that reuse its embedding or LM head (e.g. DFlash).
+    """
+
+    tokens: Tensor
+    hidden_states: tuple[Tensor, ...]
+    last_hidden_state: Tensor
+    target: FrozenTarget
+
+
+@runtime_checkable
+class Speculator(Protocol):
+    """A draft as a serving engine runs it: propose up to ``num_steps`` target tokens per round.
+
+    Attributes:
+        num_steps: the most tokens one proposal holds (EAGLE-3: chain depth; DFlash: block size - 1).
+        target_layer_ids: the target decoder-layer outputs (0-based, HF ``hidden_states[id + 1]``) the
+            draft reads, read from the exported config in the convention the engine uses.
+    """
+
+    num_steps: int
+    target_layer_ids: tuple[int, ...]
+
+    def propose(self, prefix: VerifiedPrefix) -> Tensor:
+        """Long ``[k]`` **target** vocabulary ids continuing ``prefix.tokens``, ``0 <= k <= num_steps``."""
+        ...
+
+
+@dataclass(frozen=True)
+class DraftFamily:
+    """Everything the shared workflows need to know about one draft family.
+
+    Attributes:
+        name: a label for reports and errors.
+        modules: the family's ``DraftModule`` classes (a module's family is found by its class).
+        architectures: the ``config.json`` ``architectures[0]`` values its exports carry (an export's
+            family is found by it); each name is written here and nowhere else in the workflows.
+        validate: ``(export_dir, target or None) -> ExportSummary``; raises ``ValueError`` naming each
+            defective field.
+        load_speculator: ``(export_dir, target, num_steps) -> Speculator`` built from the exported files
+            only (config + safetensors), on the target's device.
+        load_training_module: ``(export_dir, target, num_steps) -> DraftModule`` whose ``compute_loss``
+            gives the training-time estimate with chains of at least ``num_steps`` positions (the report
+            keeps the first ``num_steps``), or ``None`` when the export does not record how to rebuild it.
+        default_num_steps: ``config.json -> int``, the proposal length when none is asked for.
+        layouts: the export layouts the family's ``module.export(dir, layout=...)`` can write (empty: one
+            layout, and ``module.export(dir)`` takes none).
+    """
+
+    name: str
+    modules: tuple[type[DraftModule], ...]
+    architectures: tuple[str, ...]
+    validate: Callable[[Path, FrozenTarget | None], ExportSummary]
+    load_speculator: Callable[[Path, FrozenTarget, int], Speculator]
+    load_training_module: Callable[[Path, FrozenTarget, int], DraftModule | None]
+    default_num_steps: Callable[[dict[str, Any]], int]
+    layouts: tuple[str, ...] = ()
+
+    def export(self, module: DraftModule, output_dir: str | Path, layout: str | None = None) -> Path:
+        """Write ``module``'s serving layout (``module.export``, which validates what it writes), refusing
+        a layout the family does not have."""
+        if layout is not None and layout not in self.layouts:
+            offered = (
+                f"writes the layouts {list(self.layouts)}" if self.layouts else "exports one layout only"
+            )
+            raise ValueError(f"layout {layout!r} was given, but {type(module).__name__} {offered}")
+        if self.layouts:
+            return module.export(Path(output_dir), layout=layout)
+        return module.export(Path(output_dir))
+
+
+class FamilyRegistry:
+    """The registered families, looked up by module class or export architecture."""
+
+    def __init__(self, families: Iterable[DraftFamily]) -> None:
+        self._families: list[DraftFamily] = []
+        for family in families:
+            self.register(family)
+
+    @property
+    def families(self) -> tuple[DraftFamily, ...]:
+        return tuple(self._families)
+
+    def register(self, family: DraftFamily) -> None:
+        """Add ``family``; an architecture or module class another family already claims is refused."""
+        for known in self._families:
+            shared = set(known.architectures) & set(family.architectures)
+            shared |= {cls.__name__ for cls in set(known.modules) & set(family.modules)}
+            if shared:
+                raise ValueError(f"family {family.name!r} claims {sorted(shared)}, already {known.name!r}'s")
+        self._families.append(family)
+
+    def unregister(self, family: DraftFamily) -> None:
+        self._families.remove(family)
+
+    def for_architecture(self, architecture: str) -> DraftFamily:
+        for family in self._families:
+            if architecture in family.architectures:
+                return family
+        known = sorted(a for f in self._families for a in f.architectures)
+        raise ValueError(
+            f"no draft family serves architecture {architecture!r} (known: {known}); register the family's "
+            "DraftFamily record in lightning_drafts/registry.py"
+        )
+
+    def for_export(self, directory: str | Path) -> DraftFamily:
+        """The family of the export in ``directory``, by its ``config.json`` ``architectures[0]``."""
+        directory = Path(directory)
+        return self.for_architecture(architecture_of(read_export(directory).config, directory))
+
+    def for_module(self, module: DraftModule) -> DraftFamily:
+        for family in self._families:
+            if isinstance(module, family.modules):
+                return family
+        raise ValueError(
+            f"{type(module).__name__} belongs to no registered draft family; register its DraftFamily record "
+            f"in lightning_drafts/registry.py (export writes {CONFIG_FILE} through it)"
+        )
