@@ -16,6 +16,7 @@ import time
 import datasets
 import numpy as np
 import torch
+
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.packing import collate, plan_epoch

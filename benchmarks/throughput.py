@@ -66,14 +66,14 @@ from typing import Any
 import datasets
 import numpy as np
 import torch
-from lightning_drafts.datamodules import PackedChatDataModule
-from lightning_drafts.datamodules.documents import Documents
-from lightning_drafts.datamodules.embedded import EMBEDDED_PAD_TOKEN_ID, EMBEDDED_VOCAB_SIZE
-from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 from torch import Tensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, DraftModule, Eagle3Module
 from lightning_drafts.attention.anchors import anchors_from_positions
+from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.documents import Documents
+from lightning_drafts.datamodules.embedded import EMBEDDED_PAD_TOKEN_ID, EMBEDDED_VOCAB_SIZE
+from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 from lightning_drafts.eagle3 import count_supervised_tokens
 
 LAYOUTS = ("packed", "padded")

@@ -13,6 +13,9 @@ import datasets
 import numpy as np
 from datasets.fingerprint import Hasher
 from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
     embedded_corpus_dataset,
@@ -24,8 +27,6 @@ from lightning_drafts.datamodules.packing import resolve_packing
 from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
 from lightning_drafts.datamodules.templates import resolve_chat_template
 from lightning_drafts.datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
-from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger("datamodules")
 

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import datasets
 from datasets.fingerprint import Hasher
-from lightning_drafts.datamodules.templates import MISTRAL_TEMPLATE
 from transformers import PreTrainedTokenizerFast
+
+from lightning_drafts.datamodules.templates import MISTRAL_TEMPLATE
 
 EMBEDDED_VOCAB_SIZE = 32_000
 EMBEDDED_PAD_TOKEN_ID = 0

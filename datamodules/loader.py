@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning_drafts.datamodules.documents import Documents
-from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_drafts.datamodules.documents import Documents
+from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 
 
 class PackedEpochDataset(IterableDataset):

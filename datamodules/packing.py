@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from lightning_drafts.datamodules.documents import Documents
 from torch import Tensor
+
+from lightning_drafts.datamodules.documents import Documents
 
 PACKING_MODES = ("buffer", "microbatch", "padded")
 

@@ -28,11 +28,12 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
+
 from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.templates import has_generation_tags
-from transformers import PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import render_jinja_template
 
 # Bump when the output of tokenize_batch changes, so stale cache files are never reused.
 TOKENIZE_VERSION = 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning_drafts.callbacks import ThroughputCallback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_drafts.callbacks import ThroughputCallback
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
 

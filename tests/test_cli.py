@@ -115,3 +115,24 @@ def test_validate_subcommand_and_an_optimizer_chosen_in_yaml(tmp_path):
     validated = run_cli(["validate", *args[1:], f"--ckpt_path={checkpoint}"])
     assert validated.trainer.state.fn == "validate"
     assert float(validated.trainer.callback_metrics["val/accept_len"]) >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("old", "where"),
+    [
+        ("datamodules.PackedChatDataModule", "data"),
+        ("callbacks.ThroughputCallback", "callback"),
+    ],
+)
+def test_a_config_with_an_old_top_level_class_path_names_the_new_one(old, where, tmp_path):
+    data = yaml.safe_load(QUICKSTARTS[0].read_text())
+    if where == "data":
+        data["data"]["class_path"] = old
+    else:
+        data["trainer"]["callbacks"][0]["class_path"] = old
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=f"names '{old}'.*write 'lightning_drafts.{old}'"):
+        run_cli(["fit", f"--config={path}", "--print_config"])
+    with pytest.raises(ValueError, match=f"write 'lightning_drafts.{old}'"):
+        run_cli(["fit", f"--config={QUICKSTARTS[0]}", f"--data={old}"])

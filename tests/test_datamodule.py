@@ -10,15 +10,15 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.datamodules import PackedChatDataModule, load_embedded_tokenizer
 from lightning_drafts.datamodules.chat_format import normalize_conversation
 from lightning_drafts.datamodules.packing import plan_epoch
 from lightning_drafts.datamodules.templates import MISTRAL_TEMPLATE, strip_generation_tags
 from lightning_drafts.datamodules.tokenize import render_with_assistant_spans, tokenize_batch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
-from lightning_drafts.core.batch import validate_batch
 
 datasets.disable_progress_bars()
 

@@ -10,11 +10,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_drafts.callbacks import ServedAcceptanceCallback
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lightning_drafts import Eagle3Module, MLAEagle3Module
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.cli.main import main
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.eagle3 import Eagle3Base
@@ -562,7 +562,6 @@ def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_o
     import argparse
 
     import lightning_drafts.datamodules as datamodules
-
     from lightning_drafts.cli import evaluate as evaluate_cli
 
     made = []

@@ -12,12 +12,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_drafts.callbacks import ServedAcceptanceCallback
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lightning_drafts import DFlash2Module, DFlashModule
 from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.cli.main import main
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash.speculate import load_speculator, load_training_module

@@ -11,11 +11,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_drafts.callbacks import ServedAcceptanceCallback
 from torch.utils.data import DataLoader
 
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dspark.context_features import capture_context_features
 from lightning_drafts.dspark.eval_mask import block_supervision

@@ -7,6 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+
+from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.packing import (
     MicroBatchPlan,
@@ -16,8 +18,6 @@ from lightning_drafts.datamodules.packing import (
     plan_epoch,
     resolve_packing,
 )
-
-from lightning_drafts.core.batch import validate_batch
 
 VOCAB = 10_000
 MODES = ("buffer", "microbatch", "padded")

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from lightning_drafts.datamodules import PackedChatDataModule
 
 from lightning_drafts import Eagle3Module
+from lightning_drafts.datamodules import PackedChatDataModule
 
 TARGET = {
     "model_type": "llama",

@@ -13,6 +13,7 @@ import sys
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.module import DraftModule
 
@@ -53,6 +54,7 @@ def main(args: list[str] | None = None) -> None:
 
 def run_cli(args: list[str]) -> DraftCLI:
     """LightningCLI for ``fit`` / ``validate`` (returned so notebooks and tests can read the trainer)."""
+    refuse_moved_class_paths(args)
     return DraftCLI(
         DraftModule,
         PackedChatDataModule,

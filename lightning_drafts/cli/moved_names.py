@@ -1,0 +1,51 @@
+"""Class paths of the old top-level ``datamodules`` / ``callbacks`` packages, refused with the new name.
+
+Those folders install as ``lightning_drafts.datamodules`` and ``lightning_drafts.callbacks``; a config
+written before that would otherwise fail deep inside argument parsing with an import error that never
+says what to write instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MOVED_PACKAGES = ("datamodules", "callbacks")
+
+
+def refuse_moved_class_paths(args: list[str]) -> None:
+    """Raise ``ValueError`` naming the new class path for any old one in ``args`` or their ``--config`` files."""
+    for where, value in _class_path_values(args):
+        package = value.split(".", 1)[0]
+        if package in MOVED_PACKAGES and "." in value:
+            raise ValueError(
+                f"{where} names {value!r}: the {package} package is now lightning_drafts.{package}; write "
+                f"'lightning_drafts.{value}'"
+            )
+
+
+def _class_path_values(args: list[str]) -> Iterator[tuple[str, str]]:
+    for index, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name == "--config" and not value and index + 1 < len(args):
+            value = args[index + 1]
+        if name == "--config" and Path(value).is_file():
+            for found in _strings_under_class_path(yaml.safe_load(Path(value).read_text())):
+                yield value, found
+        elif name.startswith("--") and value:
+            yield name, value
+
+
+def _strings_under_class_path(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "class_path" and isinstance(value, str):
+                yield value
+            else:
+                yield from _strings_under_class_path(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings_under_class_path(value)

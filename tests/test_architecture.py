@@ -1,0 +1,161 @@
+"""The package's architecture, checked: the layer contracts (import-linter) hold on the package as it
+installs and catch a lower layer importing a higher one, and no first-party import cycle exists, counting
+imports inside functions."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
+from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> the module name it installs as (pyproject's package-dir).
+SOURCES = {"lightning_drafts": "lightning_drafts", "datamodules": "lightning_drafts.datamodules"}
+SOURCES["callbacks"] = "lightning_drafts.callbacks"
+
+
+def lint_imports(site: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run(
+        [str(lint), str(ROOT / "pyproject.toml")], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The project installed without dependencies into a scratch directory (what a wheel holds)."""
+    site = tmp_path_factory.mktemp("install") / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
+        + ["--target", str(site), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    return site
+
+
+def test_the_install_holds_one_namespace(installed):
+    assert (installed / "lightning_drafts" / "datamodules" / "datamodule.py").is_file()
+    assert (installed / "lightning_drafts" / "callbacks" / "acceptance.py").is_file()
+    # The repository's folder names are not installed as top-level packages of their own.
+    assert not (installed / "datamodules").exists() and not (installed / "callbacks").exists()
+
+
+def test_the_layer_contracts_hold_and_catch_an_upward_import(installed, tmp_path):
+    kept = lint_imports(installed, tmp_path)
+    assert kept.returncode == 0 and "0 broken" in kept.stdout, kept.stdout + kept.stderr
+
+    broken_site = tmp_path / "site"
+    shutil.copytree(installed, broken_site)
+    # An import inside a function still counts: the core layer reaching up to the registry.
+    batch = broken_site / "lightning_drafts" / "core" / "batch.py"
+    batch.write_text(
+        batch.read_text() + "\n\ndef _late():\n    from lightning_drafts.registry import REGISTRY\n"
+    )
+    broken = lint_imports(broken_site, tmp_path)
+    assert broken.returncode != 0, broken.stdout
+    assert "lightning_drafts.core.batch -> lightning_drafts.registry" in broken.stdout
+
+
+def _module_name(path: Path) -> str:
+    folder = path.relative_to(ROOT).parts[0]
+    parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([SOURCES[folder], *parts])
+
+
+def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """First-party modules a file imports, anywhere in it, except under ``if TYPE_CHECKING:`` (never run)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found & modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for folder in SOURCES for p in (ROOT / folder).rglob("*.py")]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _imports(ast.parse(p.read_text()), modules) for p in files}
+
+
+def test_no_first_party_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 80 and "lightning_drafts.registry" in graph["lightning_drafts.workflows.export"]
+    # Depth-first search for a back edge; any cycle is reported as its module chain.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                cycle = stack[stack.index(imported) :] + [imported]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if imported not in state:
+                walk(imported)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+
+
+def test_only_the_facade_imports_the_facade():
+    # `lightning_drafts/__init__.py` imports every layer; a module importing it would close a cycle.
+    graph = import_graph()
+    importers = sorted(m for m, imported in graph.items() if "lightning_drafts" in imported)
+    assert importers == [], importers
+
+
+# Checkpoints and exports written by commit d429c0e, the flat layout before the layered package
+# (made by make_fixtures.py in that folder, with that commit's code).
+OLD_LAYOUT = ROOT / "tests" / "fixtures" / "layout_d429c0e"
+OLD_EXPORTS = [
+    ("eagle3", None),
+    ("mla_eagle3", None),
+    ("dflash", None),
+    ("dflash2", None),
+    ("dspark", "specforge"),
+    ("dspark", "nemo"),
+]
+
+
+@pytest.mark.parametrize(("draft", "layout"), OLD_EXPORTS, ids=lambda v: str(v))
+def test_a_checkpoint_of_the_old_layout_loads_and_exports_byte_identical(draft, layout, tmp_path):
+    checkpoint = OLD_LAYOUT / f"{draft}.ckpt"
+    module = load_draft_checkpoint(checkpoint)
+    assert (
+        f"{type(module).__module__}.{type(module).__qualname__}"
+        == torch.load(checkpoint, weights_only=False)["draft_class"]
+    )
+    exported = export_checkpoint(checkpoint, tmp_path / "export", layout=layout)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        old = (OLD_LAYOUT / f"{draft}-{layout}" / name).read_bytes()
+        assert (exported / name).read_bytes() == old, name
