@@ -1,39 +1,47 @@
 """lightning-drafts: Lightning training of speculative-decoding draft models with exact sequence packing.
 
 The package is layered (lower layers never import higher ones; ``lint-imports`` checks it):
-``core`` < ``attention`` < ``training`` (+ ``datamodules``, the training ``callbacks``) < ``serving`` <
+``datamodules`` < ``core`` < ``attention`` < ``training`` (+ the training ``callbacks``) < ``serving`` <
 ``blockdraft`` < the families (``eagle3``, ``dflash``, ``dspark``) < ``registry`` < ``workflows`` <
-``cli``. This module is the public facade over all of them.
+``cli``. This module is the public facade over all of them. Its names load on first use, so that
+``lightning-drafts --help`` answers without importing torch and Lightning.
 """
 
-from lightning_drafts.callbacks import AcceptanceCallback, ServedAcceptanceCallback, ThroughputCallback
-from lightning_drafts.core.batch import PackedBatch, validate_batch
-from lightning_drafts.core.draft_output import DraftOutput
-from lightning_drafts.datamodules import PackedChatDataModule
-from lightning_drafts.dflash import DFlash2Module, DFlashModule
-from lightning_drafts.dspark import DSparkModule
-from lightning_drafts.eagle3 import Eagle3Module, MLAEagle3Module
-from lightning_drafts.training.module import DraftModule
-from lightning_drafts.training.target import FrozenTarget
-from lightning_drafts.workflows.evaluate import evaluate_export
-from lightning_drafts.workflows.export import export_checkpoint, validate_export
+from __future__ import annotations
 
-__all__ = [
-    "AcceptanceCallback",
-    "DFlash2Module",
-    "DFlashModule",
-    "DraftModule",
-    "DraftOutput",
-    "DSparkModule",
-    "Eagle3Module",
-    "FrozenTarget",
-    "MLAEagle3Module",
-    "PackedBatch",
-    "PackedChatDataModule",
-    "ServedAcceptanceCallback",
-    "ThroughputCallback",
-    "evaluate_export",
-    "export_checkpoint",
-    "validate_export",
-    "validate_batch",
-]
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it.
+_PUBLIC = {
+    "AcceptanceCallback": "lightning_drafts.callbacks",
+    "ServedAcceptanceCallback": "lightning_drafts.callbacks",
+    "ThroughputCallback": "lightning_drafts.callbacks",
+    "PackedBatch": "lightning_drafts.core.batch",
+    "validate_batch": "lightning_drafts.core.batch",
+    "DraftOutput": "lightning_drafts.core.draft_output",
+    "PackedChatDataModule": "lightning_drafts.datamodules",
+    "DFlashModule": "lightning_drafts.dflash",
+    "DFlash2Module": "lightning_drafts.dflash",
+    "DSparkModule": "lightning_drafts.dspark",
+    "Eagle3Module": "lightning_drafts.eagle3",
+    "MLAEagle3Module": "lightning_drafts.eagle3",
+    "DraftModule": "lightning_drafts.training.module",
+    "FrozenTarget": "lightning_drafts.training.target",
+    "evaluate_export": "lightning_drafts.workflows.evaluate",
+    "export_checkpoint": "lightning_drafts.workflows.export",
+    "validate_export": "lightning_drafts.workflows.export",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lightning_drafts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

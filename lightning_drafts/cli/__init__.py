@@ -1,5 +1,5 @@
 """The ``lightning-drafts`` command: ``fit`` / ``validate`` (LightningCLI), ``export``, ``evaluate``."""
 
-from lightning_drafts.cli.main import main, run_cli
+from lightning_drafts.cli.main import main
 
-__all__ = ["main", "run_cli"]
+__all__ = ["main"]

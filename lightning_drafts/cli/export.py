@@ -1,0 +1,25 @@
+"""``lightning-drafts export``: write a trained checkpoint in the layout serving engines load."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def export_main(args: list[str]) -> None:
+    from lightning_drafts.workflows.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-drafts export",
+        description="Write a trained draft in the layout serving engines load.",
+    )
+    parser.add_argument("checkpoint", help="a Lightning checkpoint written by `lightning-drafts fit`")
+    parser.add_argument("output_dir", help="the directory to write (config.json + model.safetensors)")
+    parser.add_argument(
+        "--target", default=None, help="override the target (hub id / local path) stored in the checkpoint"
+    )
+    parser.add_argument(
+        "--layout", default=None, help="DSpark: specforge (SGLang) or nemo (default: specforge when it fits)"
+    )
+    parsed = parser.parse_args(args)
+    path = export_checkpoint(parsed.checkpoint, parsed.output_dir, target=parsed.target, layout=parsed.layout)
+    print(f"exported {parsed.checkpoint} -> {path}")
