@@ -16,6 +16,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
     embedded_corpus_dataset,
@@ -56,6 +57,8 @@ class PackedChatDataModule(LightningDataModule):
         cache_dir: where tokenised data is cached (default: the ``datasets`` cache).
         max_documents: use only the first N rows of each source (quick runs and tests).
         world_size, rank: override the Trainer's data-parallel size and rank (tests, custom launchers).
+        strict: refuse the data at its first malformed row (named by file and line) instead of counting
+            and skipping malformed rows.
 
     After construction, ``vocab_size`` (``len(tokenizer)``) and ``pad_token_id`` are set, so
     ``LightningCLI.link_arguments`` can pass them to a model. After ``setup``, ``stats`` holds the counts
@@ -81,6 +84,7 @@ class PackedChatDataModule(LightningDataModule):
         max_documents: int | None = None,
         world_size: int | None = None,
         rank: int | None = None,
+        strict: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -120,6 +124,9 @@ class PackedChatDataModule(LightningDataModule):
         self.max_documents = max_documents
         self.world_size = world_size
         self.rank = rank
+        self.strict = bool(strict)
+        # Where the first malformed row of each reason was found, per source (for the setup summary).
+        self.first_malformed: dict[str, str] = {}
 
         self.tokenizer = _load_tokenizer(tokenizer)
         self.chat_template = resolve_chat_template(chat_template, self.tokenizer)
@@ -167,12 +174,15 @@ class PackedChatDataModule(LightningDataModule):
             self._log_summary()
 
     def _tokenized(self, files: str | list[str] | None) -> TokenizedCorpus:
+        rejected = Counter()
         if files is None:
             rows, fingerprint = embedded_corpus_dataset(), embedded_corpus_fingerprint()
         else:
-            rows = _load_chat_files(files, self.cache_dir)
-            # The datasets fingerprint of a loaded source hashes its files (paths, sizes, times).
-            fingerprint = rows._fingerprint
+            rows, fingerprint, read = _load_chat_files(files, self.cache_dir, self.strict)
+            if read is not None:
+                rejected = read.malformed
+                for reason, where in read.first_seen.items():
+                    self.first_malformed.setdefault(reason, where)
         if self.max_documents is not None and self.max_documents < len(rows):
             rows = rows.select(range(self.max_documents))
             fingerprint = Hasher.hash([fingerprint, "first", self.max_documents])
@@ -184,7 +194,14 @@ class PackedChatDataModule(LightningDataModule):
             num_proc=self.num_proc,
             cache_dir=self.cache_dir,
         )
-        return TokenizedCorpus.from_dataset(tokenized)
+        corpus = TokenizedCorpus.from_dataset(tokenized)
+        if self.strict and corpus.malformed:
+            reason, count = next(iter(corpus.malformed.items()))
+            raise ValueError(
+                f"{files or 'the embedded corpus'}: {count} row(s) malformed ({reason!r}; all: "
+                f"{dict(corpus.malformed)}); strict mode refuses them (drop strict to skip them)"
+            )
+        return TokenizedCorpus(corpus.documents, corpus.malformed + rejected)
 
     def _fit(self, documents: Documents, malformed: Counter) -> tuple[Documents, dict[str, Any]]:
         fitted, truncated, dropped = documents.fit_to_width(self.max_tokens, self.long_documents)
@@ -215,11 +232,17 @@ class PackedChatDataModule(LightningDataModule):
                 self.packing,
             )
             if counts["malformed"]:
+                first = {
+                    r: self.first_malformed[r]
+                    for r in counts["malformed_reasons"]
+                    if r in self.first_malformed
+                }
                 logger.warning(
-                    "%s split: %d malformed rows skipped: %s",
+                    "%s split: %d malformed rows skipped: %s%s",
                     split,
                     counts["malformed"],
                     counts["malformed_reasons"],
+                    "".join(f"\n  first {reason!r}: {where}" for reason, where in first.items()),
                 )
             if counts["truncated"] or counts["dropped"]:
                 logger.warning(
@@ -325,7 +348,11 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     )
 
 
-def _load_chat_files(files: str | os.PathLike | list, cache_dir: Path) -> datasets.Dataset:
+def _load_chat_files(
+    files: str | os.PathLike | list, cache_dir: Path, strict: bool = False
+) -> tuple[datasets.Dataset, str, ChatRows | None]:
+    """The rows of ``files``, a fingerprint of the source, and what the row-by-row reader rejected
+    (``None`` when the fast ``datasets`` reader took the files whole)."""
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not paths:
         raise ValueError(
@@ -333,7 +360,8 @@ def _load_chat_files(files: str | os.PathLike | list, cache_dir: Path) -> datase
         )
     paths = [str(path) for path in paths]
     if len(paths) == 1 and _looks_like_hub_id(paths[0]):
-        return datasets.load_dataset(paths[0], split="train", cache_dir=str(cache_dir / "sources"))
+        rows = datasets.load_dataset(paths[0], split="train", cache_dir=str(cache_dir / "sources"))
+        return rows, rows._fingerprint, None
     builders = set()
     for path in paths:
         name = path.removesuffix(".gz")
@@ -345,9 +373,22 @@ def _load_chat_files(files: str | os.PathLike | list, cache_dir: Path) -> datase
         builders.add(builder)
     if len(builders) > 1:
         raise ValueError(f"data_files {paths} mix JSON and Parquet; pass files of one format")
-    return datasets.load_dataset(
-        builders.pop(), data_files=paths, split="train", cache_dir=str(cache_dir / "sources")
+    builder = builders.pop()
+    try:
+        rows = datasets.load_dataset(
+            builder, data_files=paths, split="train", cache_dir=str(cache_dir / "sources")
+        )
+        # The datasets fingerprint of a loaded source hashes its files (paths, sizes, times).
+        return rows, rows._fingerprint, None
+    except Exception:
+        if builder != "json":
+            raise
+    # datasets refuses a whole JSON file for one bad line or byte (or an empty file) without saying where:
+    # read it row by row, so the bad rows are named and the good ones kept.
+    expanded = sorted(
+        {Path(m) for path in paths for m in (glob.glob(path) if glob.has_magic(path) else [path])}
     )
+    return read_chat_files(expanded, strict)
 
 
 def _looks_like_hub_id(path: str) -> bool:

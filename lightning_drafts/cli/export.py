@@ -20,6 +20,17 @@ def export_main(args: list[str]) -> None:
     parser.add_argument(
         "--layout", default=None, help="DSpark: specforge (SGLang) or nemo (default: specforge when it fits)"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the export files (config, weights, shards) of a non-empty output_dir; nothing else",
+    )
     parsed = parser.parse_args(args)
-    path = export_checkpoint(parsed.checkpoint, parsed.output_dir, target=parsed.target, layout=parsed.layout)
+    path = export_checkpoint(
+        parsed.checkpoint,
+        parsed.output_dir,
+        target=parsed.target,
+        layout=parsed.layout,
+        overwrite=parsed.overwrite,
+    )
     print(f"exported {parsed.checkpoint} -> {path}")

@@ -8,9 +8,9 @@ one ``ValueError`` that lists every defect, each naming the config field or tens
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from lightning_drafts.core.digest import tensor_fingerprint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -60,14 +62,40 @@ class ExportFiles:
             return weights.get_tensor(name)
 
 
+# What an export of this project (or a sharded copy of one) consists of: what `overwrite` may replace.
+SHARD_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json")
+
+
+def is_export_file(name: str) -> bool:
+    return name in (CONFIG_FILE, WEIGHTS_FILE) or SHARD_PATTERN.fullmatch(name) is not None
+
+
+def check_destination(output_dir: str | Path, overwrite: bool) -> list[str]:
+    """The names already in ``output_dir``; a file there, or a non-empty directory without ``overwrite``,
+    is refused."""
+    output = Path(output_dir)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"{output} is a file; export into a directory")
+    present = sorted(p.name for p in output.iterdir()) if output.exists() else []
+    if present and not overwrite:
+        raise ValueError(
+            f"{output} is not empty ({', '.join(present[:5])}{' ...' if len(present) > 5 else ''}); choose an "
+            "empty directory, or pass --overwrite (overwrite=True) to replace the export files there"
+        )
+    return present
+
+
 @contextmanager
-def staged_export(output_dir: str | Path) -> Iterator[Path]:
+def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Path]:
     """A temporary directory beside ``output_dir`` to write an export into; when the block ends without
     an error, its files are moved into ``output_dir``; otherwise nothing there changes.
 
-    A ``ValueError`` raised inside names ``output_dir``, not the temporary directory.
+    A non-empty ``output_dir`` is refused unless ``overwrite``, which then removes the export files there
+    (config, weights, weight shards: :func:`is_export_file`) and nothing else. A ``ValueError`` raised
+    inside names ``output_dir``, not the temporary directory.
     """
     output = Path(output_dir)
+    present = check_destination(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
@@ -79,6 +107,9 @@ def staged_export(output_dir: str | Path) -> Iterator[Path]:
             os.chmod(staging, 0o755)
             staging.rename(output)
             return
+        for name in present:
+            if is_export_file(name):  # e.g. the shards of an earlier, larger export
+                (output / name).unlink()
         for path in staging.iterdir():
             os.replace(path, output / path.name)
     finally:
@@ -162,20 +193,10 @@ class DefectList:
             raise ValueError(f"the export in {self.directory} would not serve correctly:\n  - {lines}")
 
 
-def tensor_fingerprint(tensor: Tensor) -> str:
-    """A digest of a tensor's exact bytes, dtype and shape: equal digests mean bit-identical tensors.
-
-    Recording the digest of a freshly initialised LM head lets the validator prove that the exported one
-    is not that initialisation (never trained, or replaced by a fresh init on save / load).
-    """
-    data = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()[:32]
-
-
 def initial_fingerprints(module: torch.nn.Module, names: tuple[str, ...]) -> dict[str, str]:
-    """Fingerprints of ``module``'s tensors ``names`` as they are now (call right after construction)."""
+    """Fingerprints of ``module``'s tensors ``names`` as they are now (call right after construction):
+    recording the digest of a freshly initialised LM head lets the validator prove that the exported one
+    is not that initialisation (never trained, or replaced by a fresh init on save / load)."""
     state = module.state_dict()
     # Tensors built on the meta device (deferred FSDP init) have no values to fingerprint.
     return {

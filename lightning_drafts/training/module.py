@@ -15,15 +15,19 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_drafts.core.batch import PackedBatch, validate_batch
+from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.core.schedule import warmup_cosine
 from lightning_drafts.training.target import FrozenTarget, TargetSpec, as_dtype
 
 TARGET_PREFIX = "target."
+# The digest of a checkpoint's draft tensors, checked on every load (resume, validate, export).
+DIGEST_KEY = "draft_digest"
 
 # The frozen target is in eval mode on purpose (FrozenTarget.train keeps it there).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
@@ -128,7 +132,10 @@ class DraftModule(L.LightningModule):
     def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
         output = self.compute_loss(batch)
         real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
-        self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=real)
+        # The loss is a mean over supervised predictions, so an epoch weights each micro-batch by their
+        # count (a micro-batch without any weighs nothing instead of pulling the mean towards 0).
+        tokens = int(output.valid_tokens)
+        self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=tokens)
         for name, value in output.metrics.items():
             if name not in output.sums:
                 self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
@@ -228,6 +235,9 @@ class DraftModule(L.LightningModule):
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith(TARGET_PREFIX)]:
             del state[key]
+        # Sharded (distributed) checkpoints hold DTensors and are checked by torch.distributed itself.
+        if state and not any(isinstance(v, DTensor) for v in state.values()):
+            checkpoint[DIGEST_KEY] = state_digest(state)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "state_dict" not in checkpoint:
@@ -238,6 +248,13 @@ class DraftModule(L.LightningModule):
             raise ValueError(
                 f"the checkpoint lacks draft weights {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                 "it was written by a different draft configuration"
+            )
+        recorded = checkpoint.get(DIGEST_KEY)
+        if recorded is not None and state_digest(checkpoint["state_dict"]) != recorded:
+            raise ValueError(
+                "the checkpoint is damaged: its draft tensors no longer match the digest written with them "
+                "(a truncated copy, a disk error, or an edit); use another checkpoint (e.g. last.ckpt or an "
+                "earlier one)"
             )
 
     def load_state_dict(

@@ -1,0 +1,86 @@
+"""Bad data files: every error names the file and the line, one bad row costs that row (unless strict),
+and empty inputs say so."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.datamodule import logger as data_logger
+
+GOOD = {
+    "messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend"}]
+}
+
+
+def write_lines(path, lines: list[bytes]) -> str:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return str(path)
+
+
+def data(files: str, tmp_path, **kwargs) -> PackedChatDataModule:
+    module = PackedChatDataModule(
+        data_files=files, max_tokens=256, cache_dir=str(tmp_path / "cache"), **kwargs
+    )
+    module.setup("fit")
+    return module
+
+
+def good_line() -> bytes:
+    return json.dumps(GOOD).encode()
+
+
+def test_an_invalid_json_line_and_a_non_utf8_line_cost_only_themselves(tmp_path, caplog):
+    files = write_lines(
+        tmp_path / "chats.jsonl",
+        [
+            good_line(),
+            b'{"messages": [',
+            good_line(),
+            '{"messages": "caf\xe9"}'.encode("latin-1"),
+            good_line(),
+        ],
+    )
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        module = data(files, tmp_path)
+    assert module.stats["train"]["documents"] == 3
+    assert module.stats["train"]["malformed_reasons"] == {"invalid JSON": 1, "not UTF-8": 1}
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    assert f"{files}:2: invalid JSON" in warning
+    assert f"{files}:4: byte 0xe9 at column" in warning
+
+
+def test_strict_mode_stops_at_the_first_bad_row_and_names_it(tmp_path):
+    files = write_lines(tmp_path / "chats.jsonl", [good_line(), good_line(), b"not json at all"])
+    with pytest.raises(ValueError, match=r"chats.jsonl:3: invalid JSON .*strict mode"):
+        data(files, tmp_path, strict=True)
+    no_answer = {"messages": [{"role": "user", "content": "Anyone?"}]}
+    files = write_lines(tmp_path / "unanswered.jsonl", [good_line(), json.dumps(no_answer).encode()])
+    with pytest.raises(ValueError, match="malformed .*strict mode refuses them"):
+        data(files, tmp_path, strict=True)
+
+
+def test_an_empty_file_is_named(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="data file .*empty.jsonl holds no rows"):
+        data(str(empty), tmp_path)
+
+
+def test_a_row_that_is_not_a_chat_is_named_with_its_fields(tmp_path, caplog):
+    files = write_lines(tmp_path / "mixed.jsonl", [good_line(), b'{"text": "plain"}', b"[1, 2]"])
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        module = data(files, tmp_path)
+    assert module.stats["train"]["malformed_reasons"] == {"no messages field": 1, "not a JSON object": 1}
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    assert f"{files}:2: no 'messages' or 'conversations' field (keys: ['text'])" in warning
+
+
+def test_a_json_array_file_with_a_syntax_error_names_its_line(tmp_path):
+    path = tmp_path / "chats.json"
+    path.write_text("[\n" + json.dumps(GOOD) + ",\n{oops}\n]\n")
+    with pytest.raises(ValueError, match=r"chats.json:3: invalid JSON"):
+        data(str(path), tmp_path)
