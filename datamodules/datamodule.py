@@ -165,6 +165,13 @@ class PackedChatDataModule(LightningDataModule):
         self.train_documents, self.stats["train"] = self._fit(documents, malformed)
         if val_documents is not None:
             self.val_documents, self.stats["val"] = self._fit(val_documents, val_malformed)
+        counts = self.stats["train"]
+        if counts["supervised_tokens"] == 0 and counts["answers_truncated_away"] == counts["documents"] > 0:
+            raise ValueError(
+                f"no training document keeps a supervised token: every prompt fills max_tokens={self.max_tokens} "
+                "(the chat template's prefix and the user turns come first), so truncation cut every answer; "
+                "raise max_tokens"
+            )
         if len(self.train_documents) == 0:
             raise ValueError(
                 f"no trainable document in {self.data_files or 'the embedded corpus'} (counts: {self.stats['train']}); "
@@ -205,10 +212,13 @@ class PackedChatDataModule(LightningDataModule):
 
     def _fit(self, documents: Documents, malformed: Counter) -> tuple[Documents, dict[str, Any]]:
         fitted, truncated, dropped = documents.fit_to_width(self.max_tokens, self.long_documents)
+        supervised = fitted.supervised_per_document()
         return fitted, {
             "documents": len(fitted),
             "tokens": fitted.num_tokens,
-            "supervised_tokens": int(fitted.supervised_per_document().sum()),
+            "supervised_tokens": int(supervised.sum()),
+            # Answers that truncation at max_tokens cut off whole (their prompt alone fills the width).
+            "answers_truncated_away": int(((supervised == 0) & (fitted.lengths == self.max_tokens)).sum()),
             "truncated": truncated,
             "dropped": dropped,
             "malformed": int(sum(malformed.values())),
@@ -252,7 +262,16 @@ class PackedChatDataModule(LightningDataModule):
                     self.max_tokens,
                     "truncated" if counts["truncated"] else "dropped",
                 )
-            if counts["tokens"] and counts["supervised_tokens"] in (0, counts["tokens"]):
+            if counts["answers_truncated_away"]:
+                logger.warning(
+                    "%s split: %d of %d documents keep no supervised token: their prompt alone fills "
+                    "max_tokens=%d, so truncation cut the whole answer; raise max_tokens (or long_documents='drop')",
+                    split,
+                    counts["answers_truncated_away"],
+                    counts["documents"],
+                    self.max_tokens,
+                )
+            elif counts["tokens"] and counts["supervised_tokens"] in (0, counts["tokens"]):
                 logger.warning(
                     "%s split: %s of %d tokens are supervised; the loss mask should cover assistant tokens only, "
                     "so check the chat template",

@@ -84,3 +84,15 @@ def test_a_json_array_file_with_a_syntax_error_names_its_line(tmp_path):
     path.write_text("[\n" + json.dumps(GOOD) + ",\n{oops}\n]\n")
     with pytest.raises(ValueError, match=r"chats.json:3: invalid JSON"):
         data(str(path), tmp_path)
+
+
+def test_max_tokens_shorter_than_the_prompts_is_named(tmp_path):
+    long_prompt = {
+        "messages": [
+            {"role": "user", "content": "word " * 80},
+            {"role": "assistant", "content": "short answer"},
+        ]
+    }
+    files = write_lines(tmp_path / "long.jsonl", [json.dumps(long_prompt).encode()] * 3)
+    with pytest.raises(ValueError, match="every prompt fills max_tokens=32 .*raise max_tokens"):
+        PackedChatDataModule(data_files=files, max_tokens=32, cache_dir=str(tmp_path / "cache")).setup("fit")
