@@ -29,7 +29,7 @@ from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
 from lightning_drafts.datamodules.templates import resolve_chat_template
 from lightning_drafts.datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
 
-logger = logging.getLogger("datamodules")
+logger = logging.getLogger("lightning_drafts.datamodules")
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -59,6 +59,8 @@ class PackedChatDataModule(LightningDataModule):
         world_size, rank: override the Trainer's data-parallel size and rank (tests, custom launchers).
         strict: refuse the data at its first malformed row (named by file and line) instead of counting
             and skipping malformed rows.
+        setup_summary: print the setup summary (counts per split, one sample with its supervised tokens
+            marked) once, on rank 0; warnings about the data print either way.
 
     After construction, ``vocab_size`` (``len(tokenizer)``) and ``pad_token_id`` are set, so
     ``LightningCLI.link_arguments`` can pass them to a model. After ``setup``, ``stats`` holds the counts
@@ -85,6 +87,7 @@ class PackedChatDataModule(LightningDataModule):
         world_size: int | None = None,
         rank: int | None = None,
         strict: bool = False,
+        setup_summary: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -125,6 +128,7 @@ class PackedChatDataModule(LightningDataModule):
         self.world_size = world_size
         self.rank = rank
         self.strict = bool(strict)
+        self.setup_summary = bool(setup_summary)
         # Where the first malformed row of each reason was found, per source (for the setup summary).
         self.first_malformed: dict[str, str] = {}
 
@@ -226,8 +230,10 @@ class PackedChatDataModule(LightningDataModule):
         }
 
     def _log_summary(self) -> None:
+        show_console(logger)
+        info = logger.info if self.setup_summary else logger.debug
         for split, counts in self.stats.items():
-            logger.info(
+            info(
                 "%s split: %d documents, %d tokens, %d supervised tokens, %d truncated, %d dropped, %d malformed "
                 "(max_tokens=%d, long_documents=%s, packing=%s)",
                 split,
@@ -280,7 +286,7 @@ class PackedChatDataModule(LightningDataModule):
                     counts["tokens"],
                 )
         ids, mask = self.train_documents.tokens(0)
-        logger.info(
+        info(
             "one training sample (supervised tokens between %s and %s):\n%s",
             OPEN,
             CLOSE,
@@ -365,6 +371,15 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     raise ValueError(
         f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token; set tokenizer.pad_token first"
     )
+
+
+def show_console(target: logging.Logger) -> None:
+    """Let ``target``'s INFO records reach the console when the application configured no logging (the
+    CLI, a notebook), as Lightning does for its own logger; an application's own handlers win."""
+    if target.level == logging.NOTSET:
+        target.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers() and not target.handlers:
+        target.addHandler(logging.StreamHandler())
 
 
 def _load_chat_files(

@@ -198,7 +198,7 @@ def test_malformed_rows_are_counted_and_reported(tmp_path, tokenizer, cache_dir,
     ]
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in rows))
-    with caplog.at_level(logging.INFO, logger="datamodules"):
+    with caplog.at_level(logging.INFO, logger="lightning_drafts.datamodules"):
         module = PackedChatDataModule(
             data_files=str(path), tokenizer=tokenizer, cache_dir=cache_dir, max_tokens=64
         )
@@ -239,7 +239,7 @@ def test_parquet_files_load_and_bad_sources_fail_clearly(tmp_path, tokenizer, ca
 
 
 def test_setup_logs_a_marked_sample_and_the_counts(make, caplog):
-    with caplog.at_level(logging.INFO, logger="datamodules"):
+    with caplog.at_level(logging.INFO, logger="lightning_drafts.datamodules"):
         module = make(seed=1)
     text = caplog.text
     stats = module.stats["train"]
