@@ -1,4 +1,4 @@
-"""Checks shared by the dense (tests/test_eagle3.py) and MLA (tests/test_mla_eagle3.py) EAGLE-3 tests.
+"""Checks shared by the dense and MLA EAGLE-3 tests (tests/families/eagle3/test_eagle3.py, test_mla_eagle3.py).
 
 Each check builds its module once and runs both layouts through the same weights.
 """

@@ -14,7 +14,7 @@ from lightning_drafts.cli.main import main
 from lightning_drafts.dspark import load_exported_draft
 from lightning_drafts.workflows.export import export_checkpoint
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, ROWS, perturb, twins
-from tests.test_dspark import LAYERS, fixed_anchors, make
+from tests.families.dspark.test_dspark import LAYERS, fixed_anchors, make
 
 H, V, R = 32, 96, 8  # tiny qwen3 hidden size and vocabulary, the tests' Markov rank
 BACKBONE = {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"}

@@ -26,7 +26,7 @@ from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import validate_export
 from tests.block_draft_cases import perturb
 from tests.builders import TINY_TARGETS, VOCAB, PromptRows, assert_target_greedy, random_docs, rewrite_export
-from tests.test_evaluate_dflash import (
+from tests.families.dflash.test_evaluate_dflash import (
     EOS,
     LAST_LAYER,
     MASK,
@@ -38,7 +38,7 @@ from tests.test_evaluate_dflash import (
     sharpened_target,
     training_batch,
 )
-from tests.test_evaluate_dflash import trained_module as dflash_trained_module
+from tests.families.dflash.test_evaluate_dflash import trained_module as dflash_trained_module
 
 BLOCK = 4
 RANK = 8

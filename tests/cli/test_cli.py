@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_drafts.cli.main import main, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("*.yaml"))
 RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
 
