@@ -18,7 +18,7 @@ from lightning_drafts.workflows.export import export_checkpoint, load_draft_chec
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A DFlash checkpoint written by an earlier release (no digest): it must still export.
 OLD_CHECKPOINT = ROOT / "tests" / "fixtures" / "layout_d429c0e" / "dflash.ckpt"
 
