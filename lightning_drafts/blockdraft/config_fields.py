@@ -1,5 +1,6 @@
 """What the exports of Qwen3-shaped block drafts share: the Qwen3 fields of ``config.json``, the config
-a reader builds from them, and the rules every such export must meet (shape fields, RoPE, the target)."""
+a reader builds from them, and the checks every such export must pass (shape fields, attention, RoPE,
+the mask token, the target)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from typing import Any
 from transformers import Qwen3Config
 
 from lightning_drafts.blockdraft.draft import FOREIGN_ROPE_FIELDS
-from lightning_drafts.core.checks import is_int
-from lightning_drafts.serving.export_files import DefectList
+from lightning_drafts.core.checks import is_number
+from lightning_drafts.core.rules import int_rule
+from lightning_drafts.serving.export_files import DefectList, check_target_sizes
+from lightning_drafts.training.hyperparameters import MASK_TOKEN_ID, special_token_names
 from lightning_drafts.training.target import FrozenTarget
 
-QWEN3_FIELDS = (
+# Without these an engine would build the draft from its own defaults, not from what was trained.
+SIZE_FIELDS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -20,10 +24,11 @@ QWEN3_FIELDS = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
+)
+REQUIRED_SHAPE_FIELDS = (*SIZE_FIELDS, "hidden_act", "rms_norm_eps", "max_position_embeddings")
+QWEN3_FIELDS = (
+    *REQUIRED_SHAPE_FIELDS,
     "initializer_range",
-    "rms_norm_eps",
     "rope_parameters",
     "attention_bias",
     "tie_word_embeddings",
@@ -32,18 +37,8 @@ QWEN3_FIELDS = (
     "use_sliding_window",
     "max_window_layers",
 )
-# Without these an engine would build the draft from its own defaults, not from what was trained.
-REQUIRED_SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
+NUM_TARGET_LAYERS = int_rule(
+    "num_target_layers", 1, hint="the target's decoder-layer count L the draft's layer ids refer to"
 )
 
 
@@ -69,19 +64,31 @@ def check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
             defects.add(
                 name, "missing from config.json; the engine builds the draft from it (re-export the draft)"
             )
-    for name in REQUIRED_SHAPE_FIELDS:
-        value = config.get(name)
-        if (
-            name not in ("hidden_act", "rms_norm_eps")
-            and value is not None
-            and not (is_int(value) and value > 0)
-        ):
-            defects.add(name, f"is {value!r}; it must be a positive int")
+    for name in (*SIZE_FIELDS, "max_position_embeddings"):
+        if config.get(name) is not None:
+            int_rule(name, 1).report_field(defects, config)
+
+
+def check_model_type(config: dict[str, Any], defects: DefectList, family: str) -> None:
+    if config.get("model_type") != "qwen3":
+        defects.add(
+            "model_type",
+            f"is {config.get('model_type')!r}; {family} drafts are Qwen3-style layers and readers dispatch on "
+            "model_type 'qwen3'",
+        )
+
+
+def check_not_causal(config: dict[str, Any], defects: DefectList, why: str = "") -> None:
+    if config.get("is_causal") is not False:
+        defects.add(
+            "is_causal",
+            f"is {config.get('is_causal')!r}; write false explicitly: the block attends both ways{why}",
+        )
 
 
 def check_rope(config: dict[str, Any], defects: DefectList) -> None:
     theta = config.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not (is_number(theta) and theta > 0):
         defects.add(
             "rope_theta",
             f"is {theta!r}; write the draft's positive RoPE base at the top level (readers written for "
@@ -110,15 +117,40 @@ def check_rope(config: dict[str, Any], defects: DefectList) -> None:
             )
 
 
+def check_mask_token(
+    config: dict[str, Any],
+    section: dict[str, Any],
+    prefix: str,
+    defects: DefectList,
+    target: FrozenTarget | None,
+) -> None:
+    """The exported ``mask_token_id`` (in ``section``) against the target's vocabulary and special ids,
+    or the config's ``vocab_size`` without a target."""
+    vocab_size = target.vocab_size if target is not None else config.get("vocab_size")
+    special = special_token_names(target) if target is not None else {}
+    MASK_TOKEN_ID.report_field(defects, section, prefix, vocab_size=vocab_size, special=special)
+
+
+def target_depth(
+    config: dict[str, Any], defects: DefectList, target: FrozenTarget | None, required: bool
+) -> Any:
+    """The target's decoder-layer count the exported layer ids are checked against: the target's, else
+    the recorded ``num_target_layers`` (``required``: the export must record it)."""
+    recorded = config.get("num_target_layers")
+    recorded_ok = not required or NUM_TARGET_LAYERS.report(defects, recorded)
+    if recorded_ok and target is not None and recorded is not None and recorded != target.num_layers:
+        defects.add(
+            "num_target_layers",
+            f"is {recorded} but the target has {target.num_layers} decoder layers; the draft was made for "
+            "another target",
+        )
+    return target.num_layers if target is not None else recorded
+
+
 def check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
     if target is None:
         return
     # The draft embeds with the target's embedding and reads logits with its LM head.
     expected = {"vocab_size": target.vocab_size, "hidden_size": target.text_config.hidden_size}
-    for name, value in expected.items():
-        if name in config and config[name] != value:
-            defects.add(
-                name,
-                f"is {config[name]} but the target has {value}; the draft reuses the target's embedding and "
-                "LM head, so it was made for another target",
-            )
+    why = "the draft reuses the target's embedding and LM head, so it was made for another target"
+    check_target_sizes(config, defects, expected, why)

@@ -47,11 +47,11 @@ from torch import Tensor
 
 from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES
 from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
-from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_export_config
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.dspark.reload import load_exported_draft
+from lightning_drafts.dspark.rules import EMBEDDING_FEATURE
 from lightning_drafts.serving.export_files import WEIGHTS_FILE
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.training.target import FrozenTarget
