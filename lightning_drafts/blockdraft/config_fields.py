@@ -8,9 +8,10 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-from lightning_drafts.blockdraft.draft import FOREIGN_ROPE_FIELDS
+from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES, FOREIGN_ROPE_FIELDS
+from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
 from lightning_drafts.core.checks import is_number
-from lightning_drafts.core.rules import int_rule
+from lightning_drafts.core.rules import FieldRule, int_rule
 from lightning_drafts.serving.export_files import DefectList, check_target_sizes
 from lightning_drafts.training.hyperparameters import MASK_TOKEN_ID, special_token_names
 from lightning_drafts.training.target import FrozenTarget
@@ -58,7 +59,72 @@ def qwen3_config_of(config: dict[str, Any]) -> Qwen3Config:
     return Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config})
 
 
-def check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
+def module_arguments(config: dict[str, Any], fields: dict[str, Any], target: FrozenTarget) -> dict[str, Any]:
+    """The arguments every block-draft module an export came from is rebuilt with, sharing ``target``
+    (``fields``: the family's ``block_size`` / ``mask_token_id`` / ``target_layer_ids``, wherever its
+    layout keeps them). Training's estimate reads many anchors per document."""
+    return {
+        "mask_token_id": fields["mask_token_id"],
+        "target_layer_ids": fields["target_layer_ids"],
+        "num_draft_layers": config["num_hidden_layers"],
+        "block_size": fields["block_size"],
+        "num_anchors": ESTIMATE_ANCHORS,
+        "draft_overrides": {name: config[name] for name in ATTENTION_OVERRIDES},
+        "target_attn_backend": target.requested_backend,
+    }
+
+
+def config_section(config: dict[str, Any], name: str, defects: DefectList, holds: str) -> dict[str, Any]:
+    """The dict ``config[name]`` (``{}`` with a defect when it is not one; ``holds``: what readers take
+    from it)."""
+    section = config.get(name)
+    if isinstance(section, dict):
+        return section
+    defects.add(name, f"is {section!r}; {holds} (re-export the draft)")
+    return {}
+
+
+def summary_details(config: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
+    """What every validated block-draft export tells the evaluator about its blocks, mask and RoPE."""
+    return {
+        "block_size": config["block_size"],
+        "mask_token_id": section["mask_token_id"],
+        "vocab_size": config["vocab_size"],
+        "rope_theta": config["rope_theta"],
+    }
+
+
+def check_block_draft_config(
+    config: dict[str, Any],
+    section: dict[str, Any],
+    prefix: str,
+    defects: DefectList,
+    target: FrozenTarget | None,
+    family: str,
+    layer_ids: FieldRule,
+    depth_required: bool,
+) -> Any:
+    """What every Qwen3-shaped block-draft export must meet: the shape fields, ``model_type``, RoPE, the
+    mask token and the family's ``layer_ids`` rule (``mask_token_id`` / ``target_layer_ids`` read from
+    ``section``, reported under ``prefix``) against the target's depth, and the target's sizes. Returns
+    that depth: the target's layer count, else the recorded ``num_target_layers``.
+
+    ``depth_required``: the export must record ``num_target_layers`` (the family's ids depend on it).
+    """
+    _check_shape_fields(config, defects)
+    _check_model_type(config, defects, family)
+    _check_rope(config, defects)
+    # Without a target, the vocabulary the draft was exported with.
+    vocab_size = target.vocab_size if target is not None else config.get("vocab_size")
+    special = special_token_names(target) if target is not None else {}
+    MASK_TOKEN_ID.report_field(defects, section, prefix, vocab_size=vocab_size, special=special)
+    depth = _target_depth(config, defects, target, depth_required)
+    layer_ids.report_field(defects, section, prefix, num_layers=depth)
+    _check_against_target(config, defects, target)
+    return depth
+
+
+def _check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
     for name in REQUIRED_SHAPE_FIELDS:
         if config.get(name) is None:
             defects.add(
@@ -69,7 +135,7 @@ def check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
             int_rule(name, 1).report_field(defects, config)
 
 
-def check_model_type(config: dict[str, Any], defects: DefectList, family: str) -> None:
+def _check_model_type(config: dict[str, Any], defects: DefectList, family: str) -> None:
     if config.get("model_type") != "qwen3":
         defects.add(
             "model_type",
@@ -86,7 +152,7 @@ def check_not_causal(config: dict[str, Any], defects: DefectList, why: str = "")
         )
 
 
-def check_rope(config: dict[str, Any], defects: DefectList) -> None:
+def _check_rope(config: dict[str, Any], defects: DefectList) -> None:
     theta = config.get("rope_theta")
     if not (is_number(theta) and theta > 0):
         defects.add(
@@ -117,21 +183,7 @@ def check_rope(config: dict[str, Any], defects: DefectList) -> None:
             )
 
 
-def check_mask_token(
-    config: dict[str, Any],
-    section: dict[str, Any],
-    prefix: str,
-    defects: DefectList,
-    target: FrozenTarget | None,
-) -> None:
-    """The exported ``mask_token_id`` (in ``section``) against the target's vocabulary and special ids,
-    or the config's ``vocab_size`` without a target."""
-    vocab_size = target.vocab_size if target is not None else config.get("vocab_size")
-    special = special_token_names(target) if target is not None else {}
-    MASK_TOKEN_ID.report_field(defects, section, prefix, vocab_size=vocab_size, special=special)
-
-
-def target_depth(
+def _target_depth(
     config: dict[str, Any], defects: DefectList, target: FrozenTarget | None, required: bool
 ) -> Any:
     """The target's decoder-layer count the exported layer ids are checked against: the target's, else
@@ -147,7 +199,7 @@ def target_depth(
     return target.num_layers if target is not None else recorded
 
 
-def check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
+def _check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
     if target is None:
         return
     # The draft embeds with the target's embedding and reads logits with its LM head.

@@ -21,6 +21,7 @@ it is reported, not read from the export.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,10 @@ from torch import Tensor
 
 from lightning_drafts.attention.block_masks import SLIDING_WINDOW
 from lightning_drafts.blockdraft.config_fields import (
-    check_against_target,
-    check_mask_token,
-    check_model_type,
+    check_block_draft_config,
     check_not_causal,
-    check_rope,
-    check_shape_fields,
-    target_depth,
+    config_section,
+    summary_details,
 )
 from lightning_drafts.blockdraft.conv import CONV_GROUP_SIZE, CONV_KERNEL_SIZE
 from lightning_drafts.dflash.layout import (
@@ -45,14 +43,7 @@ from lightning_drafts.dflash.layout import (
     draft_from_serving_config,
 )
 from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_RANK, SELECTOR_TOP_K, TARGET_LAYER_IDS
-from lightning_drafts.serving.export_files import (
-    DefectList,
-    ExportSummary,
-    built_tensors,
-    check_tensor_layout,
-    check_trained_tensors,
-    open_export,
-)
+from lightning_drafts.serving.export_files import DefectList, ExportSummary, check_built_weights, open_export
 from lightning_drafts.training.target import FrozenTarget
 
 LAYER_ID_CONVENTION = "decoder-layer outputs, 0-based (HF hidden_states[id + 1])"
@@ -70,35 +61,30 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
     files, architecture = open_export(directory, ARCHITECTURES, "a DFlash")
     config = files.config
     defects = DefectList(files.directory)
-    dflash_config = _dflash_config(config, defects)
-    check_shape_fields(config, defects)
-    _check_attention_fields(config, defects)
-    check_rope(config, defects)
-    block_size = _check_block_size(config, dflash_config, defects)
-    check_mask_token(config, dflash_config, SECTION, defects, target)
-    TARGET_LAYER_IDS.report_field(
-        defects, dflash_config, SECTION, num_layers=target_depth(config, defects, target, required=False)
+    dflash_config = config_section(
+        config,
+        "dflash_config",
+        defects,
+        "write the dict of block_size, mask_token_id and target_layer_ids that serving engines read",
     )
+    check_block_draft_config(
+        config, dflash_config, SECTION, defects, target, "DFlash", TARGET_LAYER_IDS, depth_required=False
+    )
+    _check_attention_fields(config, defects)
+    block_size = _check_block_size(config, dflash_config, defects)
     if architecture == DFLASH2_ARCHITECTURE:
         _check_dflash2_sizes(config, dflash_config, block_size, defects)
-    check_against_target(config, defects, target)
     defects.raise_if_any()
 
-    expected = built_tensors(files, lambda: draft_from_serving_config(config), architecture, defects)
-    if expected is not None:
-        check_tensor_layout(files, expected, architecture, defects)
-    defects.raise_if_any()
-    check_trained_tensors(files, defects, _dflash2_part_still_initial)
+    build = partial(draft_from_serving_config, config)
+    check_built_weights(files, build, architecture, defects, _dflash2_part_still_initial)
     defects.raise_if_any()
     return ExportSummary(
         architecture=architecture,
         target_layer_ids=tuple(dflash_config["target_layer_ids"]),
         layer_id_convention=LAYER_ID_CONVENTION,
         details={
-            "block_size": block_size,
-            "mask_token_id": dflash_config["mask_token_id"],
-            "vocab_size": config["vocab_size"],
-            "rope_theta": config["rope_theta"],
+            **summary_details(config, dflash_config),
             "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None,
             **{name: dflash_config.get(name) for name in DFLASH2_FIELDS if name in dflash_config},
         },
@@ -108,20 +94,7 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
 # --- config checks ----------------------------------------------------------------------------------
 
 
-def _dflash_config(config: dict[str, Any], defects: DefectList) -> dict[str, Any]:
-    dflash_config = config.get("dflash_config")
-    if not isinstance(dflash_config, dict):
-        defects.add(
-            "dflash_config",
-            f"is {dflash_config!r}; write the dict of block_size, mask_token_id and target_layer_ids that "
-            "serving engines read (re-export the draft)",
-        )
-        return {}
-    return dflash_config
-
-
 def _check_attention_fields(config: dict[str, Any], defects: DefectList) -> None:
-    check_model_type(config, defects, "DFlash")
     check_not_causal(config, defects, ", and readers default sliding layers to causal")
     layer_types = config.get("layer_types")
     layers = config.get("num_hidden_layers")

@@ -28,6 +28,7 @@ trains with the others and warns).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,10 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.blockdraft.config_fields import (
-    check_against_target,
-    check_mask_token,
-    check_model_type,
+    check_block_draft_config,
     check_not_causal,
-    check_rope,
-    check_shape_fields,
-    target_depth,
+    config_section,
+    summary_details,
 )
 from lightning_drafts.core.checks import is_int
 from lightning_drafts.dspark.layout import HEAD_FIELDS, LAYOUTS, TARGET_COPIES, draft_from_config
@@ -56,9 +54,7 @@ from lightning_drafts.serving.export_files import (
     DefectList,
     ExportFiles,
     ExportSummary,
-    built_tensors,
-    check_tensor_layout,
-    check_trained_tensors,
+    check_built_weights,
     open_export,
 )
 from lightning_drafts.training.target import FrozenTarget
@@ -86,27 +82,18 @@ def validate_dspark_export(directory: str | Path, target: FrozenTarget | None = 
     layout = LAYOUT_OF[architecture]
     defects = DefectList(files.directory)
     section, prefix = _dspark_section(config, layout, defects)
-    check_shape_fields(config, defects)
+    layers = check_block_draft_config(
+        config, section, prefix, defects, target, "DSpark", TARGET_LAYER_IDS, depth_required=True
+    )
     _check_attention_fields(config, section, layout, defects)
-    check_rope(config, defects)
     BLOCK_SIZE.report_field(defects, config)
-    check_mask_token(config, section, prefix, defects, target)
-    layers = target_depth(config, defects, target, required=True)
-    TARGET_LAYER_IDS.report_field(defects, section, prefix, num_layers=layers)
     heads = _check_heads(config, section, layout, defects)
-    check_against_target(config, defects, target)
     defects.raise_if_any()
 
     layer_ids = section["target_layer_ids"]
-    expected = built_tensors(
-        files, lambda: draft_from_config(config, layer_ids, heads), architecture, defects
-    )
-    if expected is not None:
-        if layout == "specforge":
-            expected = {name: value for name, value in expected.items() if name not in TARGET_COPIES}
-        check_tensor_layout(files, expected, architecture, defects)
-    defects.raise_if_any()
-    check_trained_tensors(files, defects, _confidence_bias_still_initial)
+    build = partial(draft_from_config, config, layer_ids, heads)
+    not_shipped = TARGET_COPIES if layout == "specforge" else ()
+    check_built_weights(files, build, architecture, defects, _confidence_bias_still_initial, not_shipped)
     if layout == "nemo" and target is not None:
         _check_target_copies(files, target, defects)
     defects.raise_if_any()
@@ -116,10 +103,7 @@ def validate_dspark_export(directory: str | Path, target: FrozenTarget | None = 
         layer_id_convention=LAYER_ID_CONVENTION,
         details={
             "layout": layout,
-            "block_size": config["block_size"],
-            "mask_token_id": section["mask_token_id"],
-            "vocab_size": config["vocab_size"],
-            "rope_theta": config["rope_theta"],
+            **summary_details(config, section),
             **heads,
             "sglang_capturable_layer_ids": all(0 <= i < layers - 1 for i in layer_ids),
         },
@@ -133,21 +117,15 @@ def _dspark_section(config: dict[str, Any], layout: str, defects: DefectList) ->
     """The dict holding ``mask_token_id`` / ``target_layer_ids`` and the field-name prefix reporting it."""
     if layout == "nemo":
         return config, ""
-    section = config.get("dflash_config")
-    if not isinstance(section, dict):
-        defects.add(
-            "dflash_config",
-            f"is {section!r}; SpecForge / SGLang read mask_token_id, target_layer_ids and the Markov / "
-            "confidence settings from it (re-export the draft)",
-        )
-        return {}, "dflash_config."
-    return section, "dflash_config."
+    holds = (
+        "SpecForge / SGLang read mask_token_id, target_layer_ids and the Markov / confidence settings from it"
+    )
+    return config_section(config, "dflash_config", defects, holds), "dflash_config."
 
 
 def _check_attention_fields(
     config: dict[str, Any], section: dict[str, Any], layout: str, defects: DefectList
 ) -> None:
-    check_model_type(config, defects, "DSpark")
     layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers")
     if layer_types is not None and layer_types != ["full_attention"] * (layers if is_int(layers) else 0):
         defects.add(

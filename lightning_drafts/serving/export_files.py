@@ -250,17 +250,27 @@ def check_tensor_shapes(
             )
 
 
-def built_tensors(
-    files: ExportFiles, build: Callable[[], torch.nn.Module], architecture: str, defects: DefectList
-) -> dict[str, Tensor] | None:
-    """The names and shapes (meta tensors) of the draft ``build()`` makes from ``files.config``, or
-    ``None`` with a defect when the config describes no buildable draft."""
+def check_built_weights(
+    files: ExportFiles,
+    build: Callable[[], torch.nn.Module],
+    architecture: str,
+    defects: DefectList,
+    still_initial: Callable[[str, Tensor], str | None] = lambda name, tensor: None,
+    not_shipped: Collection[str] = (),
+) -> None:
+    """The weights of a draft a reader builds from ``files.config`` (``build()``, run on the meta device):
+    :func:`check_tensor_layout` against its tensors less ``not_shipped`` (those the server takes from the
+    target), then, when the layout is right, :func:`check_trained_tensors`."""
     try:
         with torch.device("meta"):
-            return build().state_dict()
+            expected = build().state_dict()
     except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown hidden_act or rope_type
         defects.add(CONFIG_FILE, f"does not describe a buildable {architecture} ({error})")
-        return None
+    else:
+        shipped = {name: tensor for name, tensor in expected.items() if name not in not_shipped}
+        check_tensor_layout(files, shipped, architecture, defects)
+    defects.raise_if_any()
+    check_trained_tensors(files, defects, still_initial)
 
 
 def check_target_sizes(
