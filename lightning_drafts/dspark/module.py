@@ -125,20 +125,25 @@ class DSparkModule(DraftModule):
         **base_kwargs: Any,
     ) -> None:
         # Cheap checks first: a real target takes minutes to load.
-        _check_hyperparameters(
-            num_draft_layers=num_draft_layers,
-            block_size=block_size,
-            num_anchors=num_anchors,
-            markov_rank=markov_rank,
-            markov_head_type=markov_head_type,
-            confidence_head_alpha=confidence_head_alpha,
-            confidence_head_with_markov=confidence_head_with_markov,
-            ce_loss_alpha=ce_loss_alpha,
-            l1_loss_alpha=l1_loss_alpha,
-            loss_decay_gamma=loss_decay_gamma,
-            draft_attn_backend=draft_attn_backend,
-            logits_chunk_blocks=logits_chunk_blocks,
+        check_int("num_draft_layers", num_draft_layers, 1)
+        BLOCK_SIZE.check(block_size)
+        check_int("num_anchors", num_anchors, 1)
+        MARKOV_RANK.check(markov_rank)
+        MARKOV_HEAD_TYPE.check(markov_head_type)
+        _check_loss_weights(ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+        CONFIDENCE_HEAD_WITH_MARKOV.check(
+            confidence_head_with_markov, confidence_head=confidence_head_alpha > 0, markov_rank=markov_rank
         )
+        if loss_decay_gamma is not None and not (is_number(loss_decay_gamma) and loss_decay_gamma > 0):
+            raise ValueError(
+                f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform slot weights"
+            )
+        if draft_attn_backend not in BLOCK_BACKENDS:
+            raise ValueError(
+                f"draft_attn_backend {draft_attn_backend!r} is unknown; choose one of {BLOCK_BACKENDS}"
+            )
+        if logits_chunk_blocks is not None:
+            check_int("logits_chunk_blocks", logits_chunk_blocks, 1)
         # In the signature, not set by default inside: the CLI reads defaults from signatures.
         super().__init__(target=target, learning_rate=learning_rate, **base_kwargs)
         self.mask_token_id = check_mask_token_id(mask_token_id, self.target, self.hparams.get("pad_token_id"))
@@ -316,30 +321,10 @@ class DSparkModule(DraftModule):
         }
 
 
-def _check_hyperparameters(**values: Any) -> None:
-    check_int("num_draft_layers", values["num_draft_layers"], 1)
-    BLOCK_SIZE.check(values["block_size"])
-    check_int("num_anchors", values["num_anchors"], 1)
-    rank = MARKOV_RANK.check(values["markov_rank"])
-    MARKOV_HEAD_TYPE.check(values["markov_head_type"])
-    weights = ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha")
-    for name in weights:
-        value = values[name]
+def _check_loss_weights(ce: Any, tv: Any, confidence: Any) -> None:
+    named = {"ce_loss_alpha": ce, "l1_loss_alpha": tv, "confidence_head_alpha": confidence}
+    for name, value in named.items():
         if not (is_number(value) and value >= 0):
             raise ValueError(f"{name} = {value!r} must be a number >= 0")
-    if not any(values[name] > 0 for name in weights):
-        raise ValueError(f"{', '.join(weights)} are all 0: nothing would train; set at least one > 0")
-    CONFIDENCE_HEAD_WITH_MARKOV.check(
-        values["confidence_head_with_markov"],
-        confidence_head=values["confidence_head_alpha"] > 0,
-        markov_rank=rank,
-    )
-    gamma = values["loss_decay_gamma"]
-    if gamma is not None and not (is_number(gamma) and gamma > 0):
-        raise ValueError(f"loss_decay_gamma = {gamma!r} must be > 0, or None for uniform slot weights")
-    if values["draft_attn_backend"] not in BLOCK_BACKENDS:
-        raise ValueError(
-            f"draft_attn_backend {values['draft_attn_backend']!r} is unknown; choose one of {BLOCK_BACKENDS}"
-        )
-    if values["logits_chunk_blocks"] is not None:
-        check_int("logits_chunk_blocks", values["logits_chunk_blocks"], 1)
+    if not any(value > 0 for value in named.values()):
+        raise ValueError(f"{', '.join(named)} are all 0: nothing would train; set at least one > 0")
