@@ -14,6 +14,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.prompts import prompts_from_batch
 from lightning_drafts.workflows.evaluate import evaluate_export
 
@@ -47,8 +48,7 @@ class ServedAcceptanceCallback(L.Callback):
             ("max_new_tokens", max_new_tokens),
             ("every_n_val_epochs", every_n_val_epochs),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServedAcceptanceCallback: {name}={value!r} must be an int >= 1")
+            check_int(f"ServedAcceptanceCallback {name}", value, 1)
         self.num_prompts = num_prompts
         self.max_new_tokens = max_new_tokens
         self.every_n_val_epochs = every_n_val_epochs

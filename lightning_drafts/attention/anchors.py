@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def anchor_candidates(packed: PackedBatch, block_size: int, partial_blocks: bool
     supervised and the next token is in the same document (``doc_remaining[t] >= 1``); the block's
     supervision is truncated at the document end by the caller.
     """
-    _check_block_size(block_size)
+    check_int("block_size", block_size, 1)
     supervised = packed.loss_mask
     if partial_blocks:
         next_supervised = torch.zeros_like(supervised)
@@ -74,8 +75,7 @@ def sample_anchors(
     candidates; each document keeps its lowest-drawn ``num_anchors``. A document without candidates
     (e.g. shorter than a block) simply gets none: see :func:`documents_shorter_than` to count them.
     """
-    if isinstance(num_anchors, bool) or not isinstance(num_anchors, int) or num_anchors < 1:
-        raise ValueError(f"num_anchors = {num_anchors!r} must be a positive int (anchors per document)")
+    check_int("num_anchors", num_anchors, 1, hint="anchors per document")
     candidates = anchor_candidates(packed, block_size, partial_blocks)
     batch, width = packed.shape
     device = candidates.device
@@ -165,8 +165,3 @@ def _rank_within_groups(keys: Tensor) -> Tensor:
     starts = torch.ones_like(keys, dtype=torch.bool)
     starts[1:] = keys[1:] != keys[:-1]
     return index - torch.where(starts, index, 0).cummax(0).values
-
-
-def _check_block_size(block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size = {block_size!r} must be a positive int")

@@ -37,6 +37,10 @@ from lightning_drafts.attention.anchors import flatten_anchors
 from lightning_drafts.attention.backends import MaskMod, block_mask_from_mask_mod, resolve_backend
 from lightning_drafts.attention.tiled import TILE_QUERIES, TiledMask, assemble, visible_columns
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.rules import int_rule
+
+# A draft without a window passes None (and exports use_sliding_window false) instead.
+SLIDING_WINDOW = int_rule("sliding_window", 1, hint="the context window of every draft layer")
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,5 @@ def resolve_block_backend(requested: str, device: torch.device | str) -> str:
 
 
 def _check_window(sliding_window: int | None) -> None:
-    if sliding_window is None:
-        return
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(f"sliding_window = {sliding_window!r} must be a positive int or None (no window)")
+    if sliding_window is not None:
+        SLIDING_WINDOW.check(sliding_window)

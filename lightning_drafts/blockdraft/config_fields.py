@@ -1,5 +1,6 @@
 """What the exports of Qwen3-shaped block drafts share: the Qwen3 fields of ``config.json``, the config
-a reader builds from them, and the rules every such export must meet (shape fields, RoPE, the target)."""
+a reader builds from them, and the checks every such export must pass (shape fields, attention, RoPE,
+the mask token, the target)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-from lightning_drafts.blockdraft.draft import FOREIGN_ROPE_FIELDS
-from lightning_drafts.core.checks import is_int
-from lightning_drafts.serving.export_files import DefectList
+from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES, FOREIGN_ROPE_FIELDS
+from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
+from lightning_drafts.core.checks import is_number
+from lightning_drafts.core.rules import FieldRule, int_rule
+from lightning_drafts.serving.export_files import DefectList, check_target_sizes
+from lightning_drafts.training.hyperparameters import MASK_TOKEN_ID, special_token_names
 from lightning_drafts.training.target import FrozenTarget
 
-QWEN3_FIELDS = (
+# Without these an engine would build the draft from its own defaults, not from what was trained.
+SIZE_FIELDS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -20,10 +25,11 @@ QWEN3_FIELDS = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
+)
+REQUIRED_SHAPE_FIELDS = (*SIZE_FIELDS, "hidden_act", "rms_norm_eps", "max_position_embeddings")
+QWEN3_FIELDS = (
+    *REQUIRED_SHAPE_FIELDS,
     "initializer_range",
-    "rms_norm_eps",
     "rope_parameters",
     "attention_bias",
     "tie_word_embeddings",
@@ -32,18 +38,8 @@ QWEN3_FIELDS = (
     "use_sliding_window",
     "max_window_layers",
 )
-# Without these an engine would build the draft from its own defaults, not from what was trained.
-REQUIRED_SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
+NUM_TARGET_LAYERS = int_rule(
+    "num_target_layers", 1, hint="the target's decoder-layer count L the draft's layer ids refer to"
 )
 
 
@@ -63,25 +59,102 @@ def qwen3_config_of(config: dict[str, Any]) -> Qwen3Config:
     return Qwen3Config(**{key: config[key] for key in QWEN3_FIELDS if key in config})
 
 
-def check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
+def module_arguments(config: dict[str, Any], fields: dict[str, Any], target: FrozenTarget) -> dict[str, Any]:
+    """The arguments every block-draft module an export came from is rebuilt with, sharing ``target``
+    (``fields``: the family's ``block_size`` / ``mask_token_id`` / ``target_layer_ids``, wherever its
+    layout keeps them). Training's estimate reads many anchors per document."""
+    return {
+        "mask_token_id": fields["mask_token_id"],
+        "target_layer_ids": fields["target_layer_ids"],
+        "num_draft_layers": config["num_hidden_layers"],
+        "block_size": fields["block_size"],
+        "num_anchors": ESTIMATE_ANCHORS,
+        "draft_overrides": {name: config[name] for name in ATTENTION_OVERRIDES},
+        "target_attn_backend": target.requested_backend,
+    }
+
+
+def config_section(config: dict[str, Any], name: str, defects: DefectList, holds: str) -> dict[str, Any]:
+    """The dict ``config[name]`` (``{}`` with a defect when it is not one; ``holds``: what readers take
+    from it)."""
+    section = config.get(name)
+    if isinstance(section, dict):
+        return section
+    defects.add(name, f"is {section!r}; {holds} (re-export the draft)")
+    return {}
+
+
+def summary_details(config: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
+    """What every validated block-draft export tells the evaluator about its blocks, mask and RoPE."""
+    return {
+        "block_size": config["block_size"],
+        "mask_token_id": section["mask_token_id"],
+        "vocab_size": config["vocab_size"],
+        "rope_theta": config["rope_theta"],
+    }
+
+
+def check_block_draft_config(
+    config: dict[str, Any],
+    section: dict[str, Any],
+    prefix: str,
+    defects: DefectList,
+    target: FrozenTarget | None,
+    family: str,
+    layer_ids: FieldRule,
+    depth_required: bool,
+) -> Any:
+    """What every Qwen3-shaped block-draft export must meet: the shape fields, ``model_type``, RoPE, the
+    mask token and the family's ``layer_ids`` rule (``mask_token_id`` / ``target_layer_ids`` read from
+    ``section``, reported under ``prefix``) against the target's depth, and the target's sizes. Returns
+    that depth: the target's layer count, else the recorded ``num_target_layers``.
+
+    ``depth_required``: the export must record ``num_target_layers`` (the family's ids depend on it).
+    """
+    _check_shape_fields(config, defects)
+    _check_model_type(config, defects, family)
+    _check_rope(config, defects)
+    # Without a target, the vocabulary the draft was exported with.
+    vocab_size = target.vocab_size if target is not None else config.get("vocab_size")
+    special = special_token_names(target) if target is not None else {}
+    MASK_TOKEN_ID.report_field(defects, section, prefix, vocab_size=vocab_size, special=special)
+    depth = _target_depth(config, defects, target, depth_required)
+    layer_ids.report_field(defects, section, prefix, num_layers=depth)
+    _check_against_target(config, defects, target)
+    return depth
+
+
+def _check_shape_fields(config: dict[str, Any], defects: DefectList) -> None:
     for name in REQUIRED_SHAPE_FIELDS:
         if config.get(name) is None:
             defects.add(
                 name, "missing from config.json; the engine builds the draft from it (re-export the draft)"
             )
-    for name in REQUIRED_SHAPE_FIELDS:
-        value = config.get(name)
-        if (
-            name not in ("hidden_act", "rms_norm_eps")
-            and value is not None
-            and not (is_int(value) and value > 0)
-        ):
-            defects.add(name, f"is {value!r}; it must be a positive int")
+    for name in (*SIZE_FIELDS, "max_position_embeddings"):
+        if config.get(name) is not None:
+            int_rule(name, 1).report_field(defects, config)
 
 
-def check_rope(config: dict[str, Any], defects: DefectList) -> None:
+def _check_model_type(config: dict[str, Any], defects: DefectList, family: str) -> None:
+    if config.get("model_type") != "qwen3":
+        defects.add(
+            "model_type",
+            f"is {config.get('model_type')!r}; {family} drafts are Qwen3-style layers and readers dispatch on "
+            "model_type 'qwen3'",
+        )
+
+
+def check_not_causal(config: dict[str, Any], defects: DefectList, why: str = "") -> None:
+    if config.get("is_causal") is not False:
+        defects.add(
+            "is_causal",
+            f"is {config.get('is_causal')!r}; write false explicitly: the block attends both ways{why}",
+        )
+
+
+def _check_rope(config: dict[str, Any], defects: DefectList) -> None:
     theta = config.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not (is_number(theta) and theta > 0):
         defects.add(
             "rope_theta",
             f"is {theta!r}; write the draft's positive RoPE base at the top level (readers written for "
@@ -110,15 +183,26 @@ def check_rope(config: dict[str, Any], defects: DefectList) -> None:
             )
 
 
-def check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
+def _target_depth(
+    config: dict[str, Any], defects: DefectList, target: FrozenTarget | None, required: bool
+) -> Any:
+    """The target's decoder-layer count the exported layer ids are checked against: the target's, else
+    the recorded ``num_target_layers`` (``required``: the export must record it)."""
+    recorded = config.get("num_target_layers")
+    recorded_ok = not required or NUM_TARGET_LAYERS.report(defects, recorded)
+    if recorded_ok and target is not None and recorded is not None and recorded != target.num_layers:
+        defects.add(
+            "num_target_layers",
+            f"is {recorded} but the target has {target.num_layers} decoder layers; the draft was made for "
+            "another target",
+        )
+    return target.num_layers if target is not None else recorded
+
+
+def _check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
     if target is None:
         return
     # The draft embeds with the target's embedding and reads logits with its LM head.
     expected = {"vocab_size": target.vocab_size, "hidden_size": target.text_config.hidden_size}
-    for name, value in expected.items():
-        if name in config and config[name] != value:
-            defects.add(
-                name,
-                f"is {config[name]} but the target has {value}; the draft reuses the target's embedding and "
-                "LM head, so it was made for another target",
-            )
+    why = "the draft reuses the target's embedding and LM head, so it was made for another target"
+    check_target_sizes(config, defects, expected, why)

@@ -8,8 +8,36 @@ It starts as the identity, so a fresh DFlash2 draft computes exactly what DFlash
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+
+from lightning_drafts.core.checks import int_problem, is_int
+from lightning_drafts.core.rules import FieldRule
+
+
+def kernel_size_problem(value: Any, block_size: Any = None) -> str | None:
+    """Taps are >= 1 and, given the block size, no more than it: taps past the block start read only zeros."""
+    problem = int_problem(value, 1, hint="2 is the published default")
+    if problem is None and is_int(block_size) and value > block_size:
+        return f"{value}; it exceeds block_size {block_size}: taps past the block start read only zeros"
+    return problem
+
+
+def group_size_problem(value: Any, hidden_size: Any) -> str | None:
+    """Channels per dynamic-kernel group: a positive divisor of the hidden size."""
+    problem = int_problem(value, 1)
+    if problem is None and is_int(hidden_size) and hidden_size % value:
+        return (
+            f"{value}; it must divide hidden_size {hidden_size} (channels per dynamic-kernel group; 16 is "
+            "the published default)"
+        )
+    return problem
+
+
+CONV_KERNEL_SIZE = FieldRule("conv_kernel_size", kernel_size_problem)
+CONV_GROUP_SIZE = FieldRule("conv_group_size", group_size_problem)
 
 
 class GroupedDynamicConv(nn.Module):
@@ -23,13 +51,8 @@ class GroupedDynamicConv(nn.Module):
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
         super().__init__()
-        if kernel_size < 1:
-            raise ValueError(f"conv_kernel_size = {kernel_size} must be >= 1 (2 is the published default)")
-        if group_size < 1 or hidden_size % group_size:
-            raise ValueError(
-                f"conv_group_size = {group_size} must divide the hidden size {hidden_size} "
-                "(channels per dynamic-kernel group; 16 is the published default)"
-            )
+        CONV_KERNEL_SIZE.check(kernel_size)
+        CONV_GROUP_SIZE.check(group_size, hidden_size=hidden_size)
         self.kernel_size = kernel_size
         self.group_size = group_size
         self.groups = hidden_size // group_size

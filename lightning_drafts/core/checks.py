@@ -1,5 +1,9 @@
-"""Value checks stated once: the int-not-bool test and integer / range checks whose errors name the
-offending value. Module construction and export validators share them."""
+"""Value checks stated once: the int-not-bool and number-not-bool tests and the integer / range problem
+whose text names the offending value. Module construction and export validators share them.
+
+A problem text starts with the offending value (``"0; it must be a positive int"``): a constructor says
+``num_anchors = <problem>``, an export validator ``num_anchors: is <problem>``.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +15,38 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def int_problem(value: Any, minimum: int | None = None, maximum: int | None = None) -> str | None:
-    """Why ``value`` is not an int in ``[minimum, maximum]`` (either bound optional), or ``None``."""
-    if not is_int(value):
-        return f"is {value!r}; it must be an int"
-    if minimum is not None and value < minimum:
-        return f"is {value}; it must be >= {minimum}"
-    if maximum is not None and value > maximum:
-        return f"is {value}; it must be <= {maximum}"
-    return None
+def is_number(value: Any) -> bool:
+    """An int or a float that is not a bool (``True`` is not a rate, a weight or a RoPE base)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+def int_problem(
+    value: Any, minimum: int | None = None, maximum: int | None = None, hint: str = ""
+) -> str | None:
+    """Why ``value`` is not an int in ``[minimum, maximum]`` (either bound optional), or ``None``;
+    ``hint`` (what the number counts, a default) goes in parentheses after the requirement."""
+    if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return None
+    return f"{value!r}; it must be {_int_kind(minimum, maximum)}" + (f" ({hint})" if hint else "")
+
+
+def check_int(
+    name: str, value: Any, minimum: int | None = None, maximum: int | None = None, hint: str = ""
+) -> int:
     """``value`` itself when it is an int in ``[minimum, maximum]``, else a ``ValueError`` naming it."""
-    problem = int_problem(value, minimum, maximum)
+    problem = int_problem(value, minimum, maximum, hint)
     if problem is not None:
-        raise ValueError(f"{name} {problem}")
+        raise ValueError(f"{name} = {problem}")
     return value
+
+
+def _int_kind(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"an int in [{minimum}, {maximum}]"
+    if minimum == 1:
+        return "a positive int"
+    if minimum is not None:
+        return f"an int >= {minimum}"
+    if maximum is not None:
+        return f"an int <= {maximum}"
+    return "an int"

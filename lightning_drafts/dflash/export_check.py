@@ -21,33 +21,33 @@ it is reported, not read from the export.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_drafts.blockdraft.config_fields import check_against_target, check_rope, check_shape_fields
-from lightning_drafts.core.checks import is_int
+from lightning_drafts.attention.block_masks import SLIDING_WINDOW
+from lightning_drafts.blockdraft.config_fields import (
+    check_block_draft_config,
+    check_not_causal,
+    config_section,
+    summary_details,
+)
+from lightning_drafts.blockdraft.conv import CONV_GROUP_SIZE, CONV_KERNEL_SIZE
 from lightning_drafts.dflash.layout import (
     ARCHITECTURES,
     DFLASH2_ARCHITECTURE,
     DFLASH2_FIELDS,
     draft_from_serving_config,
 )
-from lightning_drafts.serving.export_files import (
-    CONFIG_FILE,
-    DefectList,
-    ExportFiles,
-    ExportSummary,
-    architecture_of,
-    check_tensor_layout,
-    check_trained_tensors,
-    read_export,
-)
+from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_RANK, SELECTOR_TOP_K, TARGET_LAYER_IDS
+from lightning_drafts.serving.export_files import DefectList, ExportSummary, check_built_weights, open_export
 from lightning_drafts.training.target import FrozenTarget
 
 LAYER_ID_CONVENTION = "decoder-layer outputs, 0-based (HF hidden_states[id + 1])"
+SECTION = "dflash_config."
 # DFlash2 tensors whose initialisation is a fixed value; still equal to it means never trained.
 ZERO_INITIALISED = ("kernel_projection.weight", "candidate_selector.successor_codebook")
 
@@ -58,40 +58,33 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
     ``target`` adds the checks that need it: vocabulary, hidden size and layer count, and the mask token
     against the target's special tokens.
     """
-    files = read_export(directory)
+    files, architecture = open_export(directory, ARCHITECTURES, "a DFlash")
     config = files.config
-    architecture = architecture_of(config, files.directory)
-    if architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"{files.directory / CONFIG_FILE}: architectures[0] = {architecture!r} is not a DFlash layout "
-            f"({sorted(ARCHITECTURES)})"
-        )
     defects = DefectList(files.directory)
-    dflash_config = _dflash_config(config, defects)
-    check_shape_fields(config, defects)
+    dflash_config = config_section(
+        config,
+        "dflash_config",
+        defects,
+        "write the dict of block_size, mask_token_id and target_layer_ids that serving engines read",
+    )
+    check_block_draft_config(
+        config, dflash_config, SECTION, defects, target, "DFlash", TARGET_LAYER_IDS, depth_required=False
+    )
     _check_attention_fields(config, defects)
-    check_rope(config, defects)
     block_size = _check_block_size(config, dflash_config, defects)
-    mask_token_id = _check_mask_token(config, dflash_config, defects, target)
-    layer_ids = _check_layer_ids(config, dflash_config, defects, target)
     if architecture == DFLASH2_ARCHITECTURE:
         _check_dflash2_sizes(config, dflash_config, block_size, defects)
-    check_against_target(config, defects, target)
     defects.raise_if_any()
 
-    _check_tensor_layout(files, architecture, defects)
-    defects.raise_if_any()
-    check_trained_tensors(files, defects, _dflash2_part_still_initial)
+    build = partial(draft_from_serving_config, config)
+    check_built_weights(files, build, architecture, defects, _dflash2_part_still_initial)
     defects.raise_if_any()
     return ExportSummary(
         architecture=architecture,
-        target_layer_ids=tuple(layer_ids),
+        target_layer_ids=tuple(dflash_config["target_layer_ids"]),
         layer_id_convention=LAYER_ID_CONVENTION,
         details={
-            "block_size": block_size,
-            "mask_token_id": mask_token_id,
-            "vocab_size": config["vocab_size"],
-            "rope_theta": config["rope_theta"],
+            **summary_details(config, dflash_config),
             "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None,
             **{name: dflash_config.get(name) for name in DFLASH2_FIELDS if name in dflash_config},
         },
@@ -101,53 +94,22 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
 # --- config checks ----------------------------------------------------------------------------------
 
 
-def _dflash_config(config: dict[str, Any], defects: DefectList) -> dict[str, Any]:
-    dflash_config = config.get("dflash_config")
-    if not isinstance(dflash_config, dict):
-        defects.add(
-            "dflash_config",
-            f"is {dflash_config!r}; write the dict of block_size, mask_token_id and target_layer_ids that "
-            "serving engines read (re-export the draft)",
-        )
-        return {}
-    return dflash_config
-
-
 def _check_attention_fields(config: dict[str, Any], defects: DefectList) -> None:
-    if config.get("model_type") != "qwen3":
-        defects.add(
-            "model_type",
-            f"is {config.get('model_type')!r}; DFlash drafts are Qwen3-style layers and readers dispatch on "
-            "model_type 'qwen3'",
-        )
-    if config.get("is_causal") is not False:
-        defects.add(
-            "is_causal",
-            f"is {config.get('is_causal')!r}; write false explicitly: the block attends both ways, and "
-            "readers default sliding layers to causal",
-        )
+    check_not_causal(config, defects, ", and readers default sliding layers to causal")
     layer_types = config.get("layer_types")
     layers = config.get("num_hidden_layers")
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
         defects.add("layer_types", f"is {layer_types!r}; write one entry per layer ({layers} layers)")
-    if config.get("use_sliding_window") and not (
-        is_int(config.get("sliding_window")) and config["sliding_window"] > 0
-    ):
-        defects.add(
-            "sliding_window",
-            f"is {config.get('sliding_window')!r} while use_sliding_window is true; write the window length",
-        )
+    if config.get("use_sliding_window"):
+        SLIDING_WINDOW.report_field(defects, config)
 
 
-def _check_block_size(config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList) -> int:
+def _check_block_size(
+    config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList
+) -> int | None:
     block_size = dflash_config.get("block_size")
-    if not (is_int(block_size) and block_size >= 2):
-        defects.add(
-            "dflash_config.block_size",
-            f"is {block_size!r}; write the block size the draft trained with (an int >= 2: the anchor plus "
-            "the drafted slots)",
-        )
-        return 0
+    if not BLOCK_SIZE.report_field(defects, dflash_config, SECTION):
+        return None
     if config.get("block_size") != block_size:
         defects.add(
             "block_size",
@@ -157,89 +119,16 @@ def _check_block_size(config: dict[str, Any], dflash_config: dict[str, Any], def
     return block_size
 
 
-def _check_mask_token(
-    config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList, target: FrozenTarget | None
-) -> int | None:
-    mask = dflash_config.get("mask_token_id")
-    vocab = target.vocab_size if target is not None else config.get("vocab_size")
-    if not is_int(mask) or (is_int(vocab) and not 0 <= mask < vocab):
-        defects.add(
-            "dflash_config.mask_token_id",
-            f"is {mask!r}; write the reserved token id the draft trained with, inside the vocabulary "
-            f"[0, {vocab})",
-        )
-        return None
-    if target is not None:
-        special = target.special_token_ids()
-        if mask in special:
-            defects.add(
-                "dflash_config.mask_token_id",
-                f"is {mask}, the target's {special[mask]} token; the mask must be a reserved id the target "
-                "never emits (e.g. 151669 for Qwen3), or drafted blocks read as real text",
-            )
-    return mask
-
-
-def _check_layer_ids(
-    config: dict[str, Any], dflash_config: dict[str, Any], defects: DefectList, target: FrozenTarget | None
-) -> list[int]:
-    ids = dflash_config.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
-        defects.add(
-            "dflash_config.target_layer_ids",
-            f"is {ids!r}; write the non-empty list of target decoder layers the draft's fc reads, in its "
-            "column order (outputs, HF hidden_states[id + 1])",
-        )
-        return []
-    recorded = config.get("num_target_layers")
-    layers = target.num_layers if target is not None else recorded
-    if target is not None and recorded is not None and recorded != target.num_layers:
-        defects.add(
-            "num_target_layers",
-            f"is {recorded} but the target has {target.num_layers} decoder layers; the draft was made for "
-            "another target",
-        )
-    if is_int(layers) and any(i >= layers for i in ids):
-        defects.add(
-            "dflash_config.target_layer_ids",
-            f"{ids} names layers outside the target's {layers} decoder layers (valid outputs: "
-            f"0..{layers - 1}); ids are layer outputs, not HF hidden_states indices (no +1)",
-        )
-    return list(ids)
-
-
 def _check_dflash2_sizes(
-    config: dict[str, Any], dflash_config: dict[str, Any], block_size: int, defects: DefectList
+    config: dict[str, Any], dflash_config: dict[str, Any], block_size: int | None, defects: DefectList
 ) -> None:
-    for name in DFLASH2_FIELDS:
-        value = dflash_config.get(name)
-        if not (is_int(value) and value >= 1):
-            defects.add(f"dflash_config.{name}", f"is {value!r}; DFlash2 needs it as a positive int")
-    kernel, group = dflash_config.get("conv_kernel_size"), dflash_config.get("conv_group_size")
-    hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
-    if is_int(kernel) and block_size and kernel > block_size:
-        defects.add(
-            "dflash_config.conv_kernel_size",
-            f"is {kernel}, more than block_size {block_size}; taps past the block start read only zeros",
-        )
-    if is_int(group) and group >= 1 and is_int(hidden) and hidden % group:
-        defects.add("dflash_config.conv_group_size", f"is {group}; it must divide hidden_size {hidden}")
-    top_k = dflash_config.get("selector_top_k")
-    if is_int(top_k) and is_int(vocab) and top_k > vocab:
-        defects.add("dflash_config.selector_top_k", f"is {top_k}, more than the vocabulary ({vocab} tokens)")
+    CONV_KERNEL_SIZE.report_field(defects, dflash_config, SECTION, block_size=block_size)
+    CONV_GROUP_SIZE.report_field(defects, dflash_config, SECTION, hidden_size=config.get("hidden_size"))
+    SELECTOR_RANK.report_field(defects, dflash_config, SECTION)
+    SELECTOR_TOP_K.report_field(defects, dflash_config, SECTION, vocab_size=config.get("vocab_size"))
 
 
-# --- tensor checks# --- tensor checks ----------------------------------------------------------------------------------
-
-
-def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectList) -> None:
-    try:
-        with torch.device("meta"):
-            expected = draft_from_serving_config(files.config).state_dict()
-    except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown hidden_act or rope_type
-        defects.add("config.json", f"does not describe a buildable {architecture} ({error})")
-        return
-    check_tensor_layout(files, expected, architecture, defects)
+# --- tensor checks ----------------------------------------------------------------------------------
 
 
 def _dflash2_part_still_initial(name: str, tensor: Tensor) -> str | None:

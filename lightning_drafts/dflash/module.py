@@ -19,11 +19,13 @@ from torch import Tensor
 from lightning_drafts.attention.anchors import check_anchors, documents_shorter_than, sample_anchors
 from lightning_drafts.attention.block_masks import (
     BLOCK_BACKENDS,
+    SLIDING_WINDOW,
     BlockLayout,
     block_layout,
     build_block_mask,
     resolve_block_backend,
 )
+from lightning_drafts.blockdraft.conv import CONV_KERNEL_SIZE
 from lightning_drafts.blockdraft.draft import default_target_layer_ids, draft_config
 from lightning_drafts.blockdraft.objective import (
     LOSS_EPS,
@@ -37,6 +39,7 @@ from lightning_drafts.blockdraft.objective import (
 )
 from lightning_drafts.core.acceptance import acceptance_length, prefix_counts
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.checks import check_int
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import ratio
@@ -44,7 +47,8 @@ from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.export import export_draft
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.dflash.reload import load_into_module
-from lightning_drafts.training.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_TOP_K, TARGET_LAYER_IDS
+from lightning_drafts.training.hyperparameters import check_mask_token_id
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import TargetSpec
 
@@ -104,27 +108,20 @@ class DFlashModule(DraftModule):
         # In the signature, not set by default inside: the CLI reads defaults from signatures and would
         # otherwise pass the base class's.
         super().__init__(target=target, learning_rate=learning_rate, warmup_ratio=warmup_ratio, **base_kwargs)
-        check_positive_int("num_draft_layers", num_draft_layers)
-        check_positive_int("num_anchors", num_anchors)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(
-                f"block_size = {block_size!r} must be an int >= 2 (the anchor plus drafted slots)"
-            )
+        check_int("num_draft_layers", num_draft_layers, 1)
+        check_int("num_anchors", num_anchors, 1)
+        BLOCK_SIZE.check(block_size)
         self.mask_token_id = check_mask_token_id(mask_token_id, self.target, self.hparams.get("pad_token_id"))
         if loss_decay_gamma is not None and not loss_decay_gamma > 0:
             raise ValueError(
                 f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform weights"
             )
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-        ):
-            raise ValueError(
-                f"sliding_window = {sliding_window!r} must be a positive int, or None (no window)"
-            )
+        if sliding_window is not None:
+            SLIDING_WINDOW.check(sliding_window)
         if not prefix_weight_base > 0:
             raise ValueError(f"prefix_weight_base = {prefix_weight_base!r} must be > 0")
         if logits_chunk_blocks is not None:
-            check_positive_int("logits_chunk_blocks", logits_chunk_blocks)
+            check_int("logits_chunk_blocks", logits_chunk_blocks, 1)
         if draft_attn_backend not in DRAFT_BACKENDS:
             raise ValueError(
                 f"draft_attn_backend {draft_attn_backend!r} is unknown; choose one of {DRAFT_BACKENDS}"
@@ -132,7 +129,7 @@ class DFlashModule(DraftModule):
         num_target_layers = self.target.num_layers
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
-        self.target_layer_ids = _check_layer_ids(target_layer_ids, num_target_layers)
+        self.target_layer_ids = TARGET_LAYER_IDS.check(list(target_layer_ids), num_layers=num_target_layers)
         self.block_size = block_size
         self.num_anchors = num_anchors
         self.loss_decay_gamma = loss_decay_gamma
@@ -323,24 +320,11 @@ class DFlash2Module(DFlashModule):
             )
         if not selector_loss_weight >= 0:
             raise ValueError(f"selector_loss_weight = {selector_loss_weight!r} must be >= 0")
-        block_size = dflash_kwargs.get("block_size", 16)
-        if (
-            isinstance(conv_kernel_size, int)
-            and isinstance(block_size, int)
-            and conv_kernel_size > block_size
-        ):
-            raise ValueError(
-                f"conv_kernel_size = {conv_kernel_size} exceeds block_size = {block_size}; taps past the block "
-                "start only read zeros"
-            )
+        CONV_KERNEL_SIZE.check(conv_kernel_size, block_size=dflash_kwargs.get("block_size", 16))
         self._conv = (conv_kernel_size, conv_group_size)
         self._selector_rank = selector_rank
         super().__init__(target=target, mask_token_id=mask_token_id, num_anchors=num_anchors, **dflash_kwargs)
-        check_positive_int("selector_top_k", selector_top_k)
-        if selector_top_k > self.target.vocab_size:
-            raise ValueError(
-                f"selector_top_k = {selector_top_k} exceeds the vocabulary ({self.target.vocab_size} tokens)"
-            )
+        SELECTOR_TOP_K.check(selector_top_k, vocab_size=self.target.vocab_size)
         self.selector_top_k = selector_top_k
         self.selector_loss_weight = selector_loss_weight
 
@@ -443,14 +427,3 @@ class DFlash2Module(DFlashModule):
 
 def _accept_len(correct: Tensor, valid: Tensor) -> Tensor:
     return acceptance_length(*prefix_counts(correct, valid))
-
-
-def _check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    ids = list(layer_ids)
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
-    if not ids or bad:
-        raise ValueError(
-            f"target_layer_ids {ids} must be a non-empty list of layer indices in [0, {num_layers}) "
-            f"(offending: {bad}); ids name decoder-layer outputs, HF hidden_states[id + 1]"
-        )
-    return ids

@@ -12,14 +12,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lightning_drafts.dflash.rules import SELECTOR_RANK
+
 
 class CandidateSelector(nn.Module):
     """Parameter names and shapes are the published layout (``candidate_selector.*`` in exports)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, initializer_range: float = 0.02) -> None:
         super().__init__()
-        if rank < 1:
-            raise ValueError(f"selector_rank = {rank} must be >= 1 (256 is the published default)")
+        SELECTOR_RANK.check(rank)
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)

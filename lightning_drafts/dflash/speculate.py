@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES
-from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
+from lightning_drafts.blockdraft.config_fields import module_arguments
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.layout import DFLASH2_ARCHITECTURE, read_serving_config
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
@@ -140,25 +139,18 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
     positions of each, over the same blocks.
     """
     config = read_serving_config(directory)
-    module_class, extra = _module_arguments(config)
-    dflash_config = config["dflash_config"]
+    module_class, extra = _variant_arguments(config)
     module = module_class(
         target.model,
-        mask_token_id=dflash_config["mask_token_id"],
-        target_layer_ids=dflash_config["target_layer_ids"],
-        num_draft_layers=config["num_hidden_layers"],
-        block_size=dflash_config["block_size"],
-        num_anchors=ESTIMATE_ANCHORS,
+        **module_arguments(config, config["dflash_config"], target),
         sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
-        draft_overrides={name: config[name] for name in ATTENTION_OVERRIDES},
-        target_attn_backend=target.requested_backend,
         **extra,
     )
     module.load_exported(directory)
     return module
 
 
-def _module_arguments(config: dict[str, Any]) -> tuple[type[DFlashModule], dict[str, Any]]:
+def _variant_arguments(config: dict[str, Any]) -> tuple[type[DFlashModule], dict[str, Any]]:
     if config["architectures"][0] != DFLASH2_ARCHITECTURE:
         return DFlashModule, {}
     dflash_config = config["dflash_config"]

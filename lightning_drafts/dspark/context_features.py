@@ -16,9 +16,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.dspark.rules import EMBEDDING_FEATURE, TARGET_LAYER_IDS
 from lightning_drafts.training.target import FrozenTarget
-
-EMBEDDING_FEATURE = -1
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -33,20 +32,11 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 def check_target_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[int]:
-    """Non-empty, strictly increasing ids in ``{-1} ∪ [0, L - 1]``. Ids ``-1`` and ``L - 1`` train
-    fine but standard SGLang captures auxiliary features only for ``[0, L - 2]``, so they warn."""
-    ids = list(layer_ids)
+    """Non-empty, strictly increasing ids in ``{-1} ∪ [0, L - 1]`` (:data:`~lightning_drafts.dspark.rules.
+    TARGET_LAYER_IDS`). Ids ``-1`` and ``L - 1`` train fine but standard SGLang captures auxiliary
+    features only for ``[0, L - 2]``, so they warn."""
+    ids = TARGET_LAYER_IDS.check(list(layer_ids), num_layers=num_target_layers)
     last = num_target_layers - 1
-    bad = [
-        i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not EMBEDDING_FEATURE <= i <= last
-    ]
-    increasing = all(a < b for a, b in zip(ids, ids[1:], strict=False))
-    if not ids or bad or not increasing:
-        raise ValueError(
-            f"target_layer_ids {ids} must be a non-empty, strictly increasing list of ids in [-1, {last}] "
-            f"(offending: {bad or 'the order'}); -1 = embedding output, {last} = final-norm output, "
-            "others = decoder-layer outputs (HF hidden_states[id + 1])"
-        )
     unservable = [i for i in ids if i in (EMBEDDING_FEATURE, last)]
     if unservable:
         rank_zero_warn(

@@ -19,6 +19,7 @@ from transformers import Qwen3Config
 from lightning_drafts.blockdraft.draft import BlockDraft
 from lightning_drafts.dspark.confidence_head import ConfidenceHead
 from lightning_drafts.dspark.markov_head import MarkovHead
+from lightning_drafts.dspark.rules import CONFIDENCE_HEAD_WITH_MARKOV
 
 
 class DSparkDraft(BlockDraft):
@@ -45,11 +46,9 @@ class DSparkDraft(BlockDraft):
     ) -> None:
         super().__init__(config, num_target_features)
         vocab, hidden, std = config.vocab_size, config.hidden_size, config.initializer_range
-        if confidence_head and confidence_head_with_markov and markov_rank == 0:
-            raise ValueError(
-                "confidence_head_with_markov=True needs a Markov head, but markov_rank = 0; set markov_rank > 0 "
-                "or confidence_head_with_markov=False"
-            )
+        CONFIDENCE_HEAD_WITH_MARKOV.check(
+            confidence_head_with_markov, confidence_head=confidence_head, markov_rank=markov_rank
+        )
         # Filled by copy_target_weights (or an export reload), so never randomly initialised: at a real
         # vocabulary that would cost seconds and draw RNG for nothing.
         self.embed_tokens = skip_init(nn.Embedding, vocab, hidden)

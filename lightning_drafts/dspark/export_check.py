@@ -28,26 +28,34 @@ trains with the others and warns).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_drafts.blockdraft.config_fields import check_against_target, check_rope, check_shape_fields
+from lightning_drafts.blockdraft.config_fields import (
+    check_block_draft_config,
+    check_not_causal,
+    config_section,
+    summary_details,
+)
 from lightning_drafts.core.checks import is_int
-from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
 from lightning_drafts.dspark.layout import HEAD_FIELDS, LAYOUTS, TARGET_COPIES, draft_from_config
-from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
+from lightning_drafts.dspark.rules import (
+    BLOCK_SIZE,
+    CONFIDENCE_HEAD_WITH_MARKOV,
+    MARKOV_HEAD_TYPE,
+    MARKOV_RANK,
+    TARGET_LAYER_IDS,
+)
 from lightning_drafts.serving.export_files import (
-    CONFIG_FILE,
     DefectList,
     ExportFiles,
     ExportSummary,
-    architecture_of,
-    check_tensor_layout,
-    check_trained_tensors,
-    read_export,
+    check_built_weights,
+    open_export,
 )
 from lightning_drafts.training.target import FrozenTarget
 
@@ -69,46 +77,35 @@ def validate_dspark_export(directory: str | Path, target: FrozenTarget | None = 
     ``target`` adds the checks that need it: vocabulary, hidden size and layer count, the mask token
     against the target's special tokens, and (NeMo layout) the shipped embedding / LM-head copies.
     """
-    files = read_export(directory)
+    files, architecture = open_export(directory, LAYOUT_OF, "a DSpark")
     config = files.config
-    architecture = architecture_of(config, files.directory)
-    if architecture not in LAYOUT_OF:
-        raise ValueError(
-            f"{files.directory / CONFIG_FILE}: architectures[0] = {architecture!r} is not a DSpark layout "
-            f"({sorted(LAYOUT_OF)})"
-        )
     layout = LAYOUT_OF[architecture]
     defects = DefectList(files.directory)
     section, prefix = _dspark_section(config, layout, defects)
-    check_shape_fields(config, defects)
+    layers = check_block_draft_config(
+        config, section, prefix, defects, target, "DSpark", TARGET_LAYER_IDS, depth_required=True
+    )
     _check_attention_fields(config, section, layout, defects)
-    check_rope(config, defects)
-    block_size = _check_block_size(config, defects)
-    mask_token_id = _check_mask_token(config, section, prefix, defects, target)
-    layer_ids = _check_layer_ids(config, section, prefix, defects, target)
+    BLOCK_SIZE.report_field(defects, config)
     heads = _check_heads(config, section, layout, defects)
-    check_against_target(config, defects, target)
     defects.raise_if_any()
 
-    _check_tensor_layout(files, layout, layer_ids, heads, defects)
-    defects.raise_if_any()
-    check_trained_tensors(files, defects, _confidence_bias_still_initial)
+    layer_ids = section["target_layer_ids"]
+    build = partial(draft_from_config, config, layer_ids, heads)
+    not_shipped = TARGET_COPIES if layout == "specforge" else ()
+    check_built_weights(files, build, architecture, defects, _confidence_bias_still_initial, not_shipped)
     if layout == "nemo" and target is not None:
         _check_target_copies(files, target, defects)
     defects.raise_if_any()
-    last = target.num_layers - 1 if target is not None else config["num_target_layers"] - 1
     return ExportSummary(
         architecture=architecture,
         target_layer_ids=tuple(layer_ids),
         layer_id_convention=LAYER_ID_CONVENTION,
         details={
             "layout": layout,
-            "block_size": block_size,
-            "mask_token_id": mask_token_id,
-            "vocab_size": config["vocab_size"],
-            "rope_theta": config["rope_theta"],
+            **summary_details(config, section),
             **heads,
-            "sglang_capturable_layer_ids": all(0 <= i < last for i in layer_ids),
+            "sglang_capturable_layer_ids": all(0 <= i < layers - 1 for i in layer_ids),
         },
     )
 
@@ -120,26 +117,15 @@ def _dspark_section(config: dict[str, Any], layout: str, defects: DefectList) ->
     """The dict holding ``mask_token_id`` / ``target_layer_ids`` and the field-name prefix reporting it."""
     if layout == "nemo":
         return config, ""
-    section = config.get("dflash_config")
-    if not isinstance(section, dict):
-        defects.add(
-            "dflash_config",
-            f"is {section!r}; SpecForge / SGLang read mask_token_id, target_layer_ids and the Markov / "
-            "confidence settings from it (re-export the draft)",
-        )
-        return {}, "dflash_config."
-    return section, "dflash_config."
+    holds = (
+        "SpecForge / SGLang read mask_token_id, target_layer_ids and the Markov / confidence settings from it"
+    )
+    return config_section(config, "dflash_config", defects, holds), "dflash_config."
 
 
 def _check_attention_fields(
     config: dict[str, Any], section: dict[str, Any], layout: str, defects: DefectList
 ) -> None:
-    if config.get("model_type") != "qwen3":
-        defects.add(
-            "model_type",
-            f"is {config.get('model_type')!r}; DSpark drafts are Qwen3-style layers and readers dispatch on "
-            "model_type 'qwen3'",
-        )
     layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers")
     if layer_types is not None and layer_types != ["full_attention"] * (layers if is_int(layers) else 0):
         defects.add(
@@ -152,11 +138,7 @@ def _check_attention_fields(
         )
     if layout != "specforge":
         return
-    if config.get("is_causal") is not False:
-        defects.add(
-            "is_causal",
-            f"is {config.get('is_causal')!r}; write false explicitly: the block attends both ways",
-        )
+    check_not_causal(config, defects)
     for name, expected in (("projector_type", "dspark"), ("attention_mode", "gqa")):
         if section and section.get(name) != expected:
             defects.add(
@@ -165,110 +147,24 @@ def _check_attention_fields(
             )
 
 
-def _check_block_size(config: dict[str, Any], defects: DefectList) -> int:
-    block_size = config.get("block_size")
-    if not (is_int(block_size) and block_size >= 1):
-        defects.add(
-            "block_size",
-            f"is {block_size!r}; write the block size K the draft trained with (an int >= 1: slot k proposes "
-            "the token at anchor + k + 1)",
-        )
-        return 0
-    return block_size
-
-
-def _check_mask_token(
-    config: dict[str, Any],
-    section: dict[str, Any],
-    prefix: str,
-    defects: DefectList,
-    target: FrozenTarget | None,
-) -> int | None:
-    mask = section.get("mask_token_id")
-    vocab = target.vocab_size if target is not None else config.get("vocab_size")
-    if not is_int(mask) or (is_int(vocab) and not 0 <= mask < vocab):
-        defects.add(
-            f"{prefix}mask_token_id",
-            f"is {mask!r}; write the reserved token id the draft trained with, inside the vocabulary "
-            f"[0, {vocab})",
-        )
-        return None
-    special = target.special_token_ids() if target is not None else {}
-    if mask in special:
-        defects.add(
-            f"{prefix}mask_token_id",
-            f"is {mask}, the target's {special[mask]} token; the mask must be a reserved id the target never "
-            "emits (e.g. 151669 for Qwen3), or drafted blocks read as real text",
-        )
-    return mask
-
-
-def _check_layer_ids(
-    config: dict[str, Any],
-    section: dict[str, Any],
-    prefix: str,
-    defects: DefectList,
-    target: FrozenTarget | None,
-) -> list[int]:
-    name = f"{prefix}target_layer_ids"
-    ids = section.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
-        defects.add(
-            name,
-            f"is {ids!r}; write the non-empty list of target feature ids the draft's fc reads, in its column "
-            "order (-1 = embedding output, L-1 = final-norm output, else decoder-layer outputs)",
-        )
-        return []
-    if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
-        defects.add(name, f"is {ids}; ids must be strictly increasing, the order fc was trained with")
-    recorded = config.get("num_target_layers")
-    if not is_int(recorded) or recorded < 1:
-        defects.add(
-            "num_target_layers",
-            f"is {recorded!r}; write the target's decoder-layer count L (feature id L-1 = its final-norm "
-            "output)",
-        )
-    elif target is not None and recorded != target.num_layers:
-        defects.add(
-            "num_target_layers",
-            f"is {recorded} but the target has {target.num_layers} decoder layers; the draft was made for "
-            "another target (and id L-1 would name another feature)",
-        )
-    layers = target.num_layers if target is not None else recorded
-    if is_int(layers) and any(not EMBEDDING_FEATURE <= i <= layers - 1 for i in ids):
-        defects.add(
-            name,
-            f"{ids} names features outside the target's {layers} decoder layers (valid: -1 = embedding "
-            f"output, 0..{layers - 2} = decoder-layer outputs, {layers - 1} = final-norm output)",
-        )
-    return list(ids)
-
-
 def _check_heads(
     config: dict[str, Any], section: dict[str, Any], layout: str, defects: DefectList
 ) -> dict[str, Any]:
     """The Markov / confidence settings (read from the top level, as both loaders do)."""
     heads = {name: config.get(name) for name in HEAD_FIELDS}
-    rank, head_type = heads["markov_rank"], heads["markov_head_type"]
-    if not (is_int(rank) and rank >= 0):
-        defects.add("markov_rank", f"is {rank!r}; write the Markov head's rank r (an int >= 0, 0 = no head)")
-    if head_type not in MARKOV_HEAD_TYPES:
-        defects.add("markov_head_type", f"is {head_type!r}; write one of {list(MARKOV_HEAD_TYPES)}")
-    elif layout == "specforge" and head_type != "vanilla":
+    MARKOV_RANK.report_field(defects, heads)
+    head_type = heads["markov_head_type"]
+    if MARKOV_HEAD_TYPE.report_field(defects, heads) and layout == "specforge" and head_type != "vanilla":
         defects.add(
             "markov_head_type",
-            f"is {head_type!r}; SpecForge's DSparkDraftModel implements only 'vanilla' "
-            "(export layout='nemo')",
+            f"is {head_type!r}; SpecForge's DSparkDraftModel implements only 'vanilla' (export layout='nemo')",
         )
     for name in ("enable_confidence_head", "confidence_head_with_markov"):
         if not isinstance(heads[name], bool):
             defects.add(name, f"is {heads[name]!r}; write true or false")
-    if heads["enable_confidence_head"] is True and heads["confidence_head_with_markov"] is True and rank == 0:
-        defects.add(
-            "confidence_head_with_markov",
-            "is true but markov_rank is 0: the confidence head would read a Markov latent that does not "
-            "exist",
-        )
+    CONFIDENCE_HEAD_WITH_MARKOV.report_field(
+        defects, heads, confidence_head=heads["enable_confidence_head"], markov_rank=heads["markov_rank"]
+    )
     if layout == "specforge" and section:
         for name in HEAD_FIELDS:
             if section.get(name) != heads[name]:
@@ -281,21 +177,6 @@ def _check_heads(
 
 
 # --- tensor checks ----------------------------------------------------------------------------------
-
-
-def _check_tensor_layout(
-    files: ExportFiles, layout: str, layer_ids: list[int], heads: dict[str, Any], defects: DefectList
-) -> None:
-    try:
-        with torch.device("meta"):
-            expected = draft_from_config(files.config, layer_ids, heads).state_dict()
-    except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown hidden_act or rope_type
-        defects.add("config.json", f"does not describe a buildable DSpark draft ({error})")
-        return
-    if layout == "specforge":
-        expected = {name: value for name, value in expected.items() if name not in TARGET_COPIES}
-    architecture = LAYOUTS[layout]
-    check_tensor_layout(files, expected, architecture, defects)
 
 
 def _confidence_bias_still_initial(name: str, tensor: Tensor) -> str | None:

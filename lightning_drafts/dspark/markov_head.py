@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+from lightning_drafts.core.checks import check_int
+from lightning_drafts.dspark.rules import MARKOV_HEAD_TYPE
 
 
 class MarkovHead(nn.Module):
@@ -34,10 +35,8 @@ class MarkovHead(nn.Module):
         self, vocab_size: int, hidden_size: int, rank: int, head_type: str = "vanilla", init_std: float = 0.02
     ) -> None:
         super().__init__()
-        if head_type not in MARKOV_HEAD_TYPES:
-            raise ValueError(f"markov_head_type {head_type!r} is unknown; choose one of {MARKOV_HEAD_TYPES}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"markov rank = {rank!r} must be a positive int (use markov_rank=0 for no head)")
+        MARKOV_HEAD_TYPE.check(head_type)
+        check_int("markov_rank", rank, 1, hint="a head has a rank; markov_rank=0 builds none")
         self.head_type, self.rank = head_type, rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)

@@ -28,6 +28,7 @@ from lightning_drafts.attention.block_masks import (
 )
 from lightning_drafts.blockdraft.draft import draft_config
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.checks import check_int, is_number
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import Sums, ratio
@@ -39,7 +40,6 @@ from lightning_drafts.dspark.context_features import (
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.eval_mask import BlockSupervision, block_supervision
 from lightning_drafts.dspark.export import export_draft
-from lightning_drafts.dspark.markov_head import MARKOV_HEAD_TYPES
 from lightning_drafts.dspark.metrics import acceptance_sums, confidence_sums
 from lightning_drafts.dspark.objective import (
     LOSS_EPS,
@@ -51,7 +51,13 @@ from lightning_drafts.dspark.objective import (
     normalise,
 )
 from lightning_drafts.dspark.reload import load_into_module
-from lightning_drafts.training.hyperparameters import check_mask_token_id, check_positive_int
+from lightning_drafts.dspark.rules import (
+    BLOCK_SIZE,
+    CONFIDENCE_HEAD_WITH_MARKOV,
+    MARKOV_HEAD_TYPE,
+    MARKOV_RANK,
+)
+from lightning_drafts.training.hyperparameters import check_mask_token_id
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import TargetSpec
 
@@ -119,20 +125,25 @@ class DSparkModule(DraftModule):
         **base_kwargs: Any,
     ) -> None:
         # Cheap checks first: a real target takes minutes to load.
-        _check_hyperparameters(
-            num_draft_layers=num_draft_layers,
-            block_size=block_size,
-            num_anchors=num_anchors,
-            markov_rank=markov_rank,
-            markov_head_type=markov_head_type,
-            confidence_head_alpha=confidence_head_alpha,
-            confidence_head_with_markov=confidence_head_with_markov,
-            ce_loss_alpha=ce_loss_alpha,
-            l1_loss_alpha=l1_loss_alpha,
-            loss_decay_gamma=loss_decay_gamma,
-            draft_attn_backend=draft_attn_backend,
-            logits_chunk_blocks=logits_chunk_blocks,
+        check_int("num_draft_layers", num_draft_layers, 1)
+        BLOCK_SIZE.check(block_size)
+        check_int("num_anchors", num_anchors, 1)
+        MARKOV_RANK.check(markov_rank)
+        MARKOV_HEAD_TYPE.check(markov_head_type)
+        _check_loss_weights(ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+        CONFIDENCE_HEAD_WITH_MARKOV.check(
+            confidence_head_with_markov, confidence_head=confidence_head_alpha > 0, markov_rank=markov_rank
         )
+        if loss_decay_gamma is not None and not (is_number(loss_decay_gamma) and loss_decay_gamma > 0):
+            raise ValueError(
+                f"loss_decay_gamma = {loss_decay_gamma!r} must be > 0, or None for uniform slot weights"
+            )
+        if draft_attn_backend not in BLOCK_BACKENDS:
+            raise ValueError(
+                f"draft_attn_backend {draft_attn_backend!r} is unknown; choose one of {BLOCK_BACKENDS}"
+            )
+        if logits_chunk_blocks is not None:
+            check_int("logits_chunk_blocks", logits_chunk_blocks, 1)
         # In the signature, not set by default inside: the CLI reads defaults from signatures.
         super().__init__(target=target, learning_rate=learning_rate, **base_kwargs)
         self.mask_token_id = check_mask_token_id(mask_token_id, self.target, self.hparams.get("pad_token_id"))
@@ -310,35 +321,10 @@ class DSparkModule(DraftModule):
         }
 
 
-def _check_hyperparameters(**values: Any) -> None:
-    check_positive_int("num_draft_layers", values["num_draft_layers"])
-    check_positive_int("block_size", values["block_size"])
-    check_positive_int("num_anchors", values["num_anchors"])
-    rank = values["markov_rank"]
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"markov_rank = {rank!r} must be an int >= 0 (0 disables the Markov head)")
-    if values["markov_head_type"] not in MARKOV_HEAD_TYPES:
-        raise ValueError(
-            f"markov_head_type {values['markov_head_type']!r} is unknown; choose one of {MARKOV_HEAD_TYPES}"
-        )
-    weights = ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha")
-    for name in weights:
-        value = values[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+def _check_loss_weights(ce: Any, tv: Any, confidence: Any) -> None:
+    named = {"ce_loss_alpha": ce, "l1_loss_alpha": tv, "confidence_head_alpha": confidence}
+    for name, value in named.items():
+        if not (is_number(value) and value >= 0):
             raise ValueError(f"{name} = {value!r} must be a number >= 0")
-    if not any(values[name] > 0 for name in weights):
-        raise ValueError(f"{', '.join(weights)} are all 0: nothing would train; set at least one > 0")
-    if values["confidence_head_alpha"] > 0 and values["confidence_head_with_markov"] and rank == 0:
-        raise ValueError(
-            "confidence_head_with_markov=True needs a Markov head, but markov_rank = 0; set markov_rank > 0 "
-            "or confidence_head_with_markov=False"
-        )
-    gamma = values["loss_decay_gamma"]
-    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int | float) or not gamma > 0):
-        raise ValueError(f"loss_decay_gamma = {gamma!r} must be > 0, or None for uniform slot weights")
-    if values["draft_attn_backend"] not in BLOCK_BACKENDS:
-        raise ValueError(
-            f"draft_attn_backend {values['draft_attn_backend']!r} is unknown; choose one of {BLOCK_BACKENDS}"
-        )
-    if values["logits_chunk_blocks"] is not None:
-        check_positive_int("logits_chunk_blocks", values["logits_chunk_blocks"])
+    if not any(value > 0 for value in named.values()):
+        raise ValueError(f"{', '.join(named)} are all 0: nothing would train; set at least one > 0")

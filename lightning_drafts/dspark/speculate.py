@@ -45,13 +45,12 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from lightning_drafts.blockdraft.draft import ATTENTION_OVERRIDES
-from lightning_drafts.blockdraft.objective import ESTIMATE_ANCHORS
-from lightning_drafts.dspark.context_features import EMBEDDING_FEATURE
+from lightning_drafts.blockdraft.config_fields import module_arguments
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_export_config
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.dspark.reload import load_exported_draft
+from lightning_drafts.dspark.rules import EMBEDDING_FEATURE
 from lightning_drafts.serving.export_files import WEIGHTS_FILE
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.training.target import FrozenTarget
@@ -207,11 +206,7 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
     )
     module = DSparkModule(
         target.model,
-        mask_token_id=fields["mask_token_id"],
-        target_layer_ids=fields["target_layer_ids"],
-        num_draft_layers=config["num_hidden_layers"],
-        block_size=fields["block_size"],
-        num_anchors=ESTIMATE_ANCHORS,
+        **module_arguments(config, fields, target),
         markov_rank=fields["markov_rank"],
         markov_head_type=fields["markov_head_type"],
         confidence_head_alpha=confidence_alpha,
@@ -219,8 +214,6 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
         ce_loss_alpha=record.get("ce_loss_alpha", 0.1),
         l1_loss_alpha=record.get("l1_loss_alpha", 0.9),
         loss_decay_gamma=record.get("loss_decay_gamma", 4.0),
-        draft_overrides={name: config[name] for name in ATTENTION_OVERRIDES},
-        target_attn_backend=target.requested_backend,
     )
     module.load_exported(directory)
     return module

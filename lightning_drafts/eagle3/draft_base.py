@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from lightning_drafts.eagle3.rope import resolve_rope_theta, rope_scaling_of
 from lightning_drafts.eagle3.ttt import TTTCache, ttt_attention
 
 
@@ -84,42 +85,50 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def shared_fields(text_config: Any, vocab_size: int, draft_vocab_size: int) -> dict[str, Any]:
+    """The config fields both drafts clone from the target's text config the same way: sizes, the MLP
+    width, RMSNorm eps, RoPE base and scaling, the initialisation std."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": text_config.hidden_size,
+        "target_hidden_size": text_config.hidden_size,
+        "draft_vocab_size": draft_vocab_size,
+        "intermediate_size": text_config.intermediate_size,
+        "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
+        "rope_theta": resolve_rope_theta(text_config),
+        "rope_scaling": rope_scaling_of(text_config),
+        "initializer_range": getattr(text_config, "initializer_range", 0.02),
+    }
+
+
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft: frozen embedding copy, ``fc``, one ``midlayer``, ``norm``, ``lm_head``, d2t/t2d.
 
     Args:
-        vocab_size: the target vocabulary ``V`` (embedding rows and ``t2d`` length).
-        hidden_size: the draft width ``H`` (the target's, as in the reference).
-        target_hidden_size: the width of each captured target layer.
-        draft_vocab_size: ``V_d``, the LM-head rows.
-        rms_norm_eps, initializer_range: from the target config.
+        config: the draft's config (:class:`~lightning_drafts.eagle3.llama_draft.LlamaDraftConfig` or
+            :class:`~lightning_drafts.eagle3.mla_draft.MLADraftConfig`), of which the skeleton reads the
+            :func:`shared_fields`: the target vocabulary ``V`` (embedding rows, ``t2d`` length), the draft
+            width ``H``, each captured layer's width, ``V_d`` (the LM-head rows), RMSNorm eps and the
+            initialisation std.
         midlayer: the decoder layer (it decides dense vs MLA attention).
     """
 
     # The TTT unroll starts here instead of at `forward` (see DraftModule.configure_model).
     fsdp_entry_method = "project_hidden_states"
 
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        target_hidden_size: int,
-        draft_vocab_size: int,
-        rms_norm_eps: float,
-        initializer_range: float,
-        midlayer: Eagle3DecoderLayer,
-    ) -> None:
+    def __init__(self, config: Any, midlayer: Eagle3DecoderLayer) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * target_hidden_size, hidden_size, bias=False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = midlayer
-        self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         # Identity until a mapping is set: draft id i predicts target id i.
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.arange(vocab_size) < draft_vocab_size)
-        self._initialize(initializer_range)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+        self._initialize(config.initializer_range)
 
     @property
     def draft_vocab_size(self) -> int:

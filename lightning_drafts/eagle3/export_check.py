@@ -23,19 +23,22 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 
+from lightning_drafts.core.checks import is_number
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.layout import DENSE_ARCHITECTURE, INIT_CHECKED_TENSORS, MLA_ARCHITECTURE
 from lightning_drafts.eagle3.llama_draft import LlamaDraftConfig, LlamaEagle3Draft
 from lightning_drafts.eagle3.mla_draft import MLADraftConfig, MLAEagle3Draft
 from lightning_drafts.eagle3.rope import FrequencyTable, default_inverse_frequencies, llama_rope_table
+from lightning_drafts.eagle3.rules import TARGET_LAYER_IDS
 from lightning_drafts.serving.export_files import (
-    CONFIG_FILE,
     DefectList,
     ExportFiles,
     ExportSummary,
     architecture_of,
+    check_target_sizes,
+    check_tensor_shapes,
     is_constant,
-    read_export,
+    open_export,
     tensor_fingerprint,
 )
 from lightning_drafts.training.target import FrozenTarget
@@ -54,14 +57,8 @@ def validate_eagle3_export(directory: str | Path, target: FrozenTarget | None = 
     ``target`` adds the checks that need it: vocabulary and hidden sizes, layer ids in range, and the
     shipped embedding equal to the target's.
     """
-    files = read_export(directory)
+    files, architecture = open_export(directory, DRAFT_CONFIGS, "an EAGLE-3")
     config = files.config
-    architecture = architecture_of(config, files.directory)
-    if architecture not in DRAFT_CONFIGS:
-        raise ValueError(
-            f"{files.directory / CONFIG_FILE}: architectures[0] = {architecture!r} is not an EAGLE-3 layout "
-            f"({sorted(DRAFT_CONFIGS)})"
-        )
     defects = DefectList(files.directory)
     _check_shape_fields(config, architecture, defects)
     _check_rope(config, architecture, defects)
@@ -170,7 +167,7 @@ def _check_shape_fields(config: dict[str, Any], architecture: str, defects: Defe
 
 def _check_rope(config: dict[str, Any], architecture: str, defects: DefectList) -> None:
     theta = config.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not (is_number(theta) and theta > 0):
         defects.add(
             "rope_theta", f"is {theta!r}; write the target's positive RoPE base (engines default to 10000)"
         )
@@ -221,39 +218,23 @@ def _check_layer_ids(config: dict[str, Any], defects: DefectList, target: Frozen
             SGLANG_LAYER_FIELD,
             f"is {sglang} but the draft was trained on layer outputs {trained} ({RECORD}.target_layer_ids)",
         )
-    if sglang is not None and target is not None and any(not 0 <= i < target.num_layers for i in sglang):
-        defects.add(
-            SGLANG_LAYER_FIELD,
-            f"{sglang} names layers outside the target's {target.num_layers} decoder layers "
-            f"(valid outputs: 0..{target.num_layers - 1})",
-        )
+    if sglang is not None and target is not None:
+        TARGET_LAYER_IDS.report(defects, sglang, SGLANG_LAYER_FIELD, num_layers=target.num_layers)
     return sglang or []
 
 
 def _id_list(value: Any, name: str, defects: DefectList) -> list[int] | None:
+    """A copy of the captured layer ids, checked by :data:`~lightning_drafts.eagle3.rules.TARGET_LAYER_IDS`."""
     if value is None:
         defects.add(name, "missing; write the three captured layer ids")
         return None
-    ok = (
-        isinstance(value, list)
-        and len(value) == 3
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
-    )
-    if not ok or len(set(value)) != 3 or value != sorted(value) or min(value) < 0:
-        defects.add(name, f"is {value!r}; it must be three distinct, ascending, non-negative layer ids")
-        return None
-    return list(value)
+    return list(value) if TARGET_LAYER_IDS.report(defects, value, name) else None
 
 
 def _check_against_target(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> None:
-    if target is None:
-        return
-    expected = {"vocab_size": target.vocab_size, "target_hidden_size": target.text_config.hidden_size}
-    for name, value in expected.items():
-        if name in config and config[name] != value:
-            defects.add(
-                name, f"is {config[name]} but the target has {value}; the draft was made for another target"
-            )
+    if target is not None:
+        expected = {"vocab_size": target.vocab_size, "target_hidden_size": target.text_config.hidden_size}
+        check_target_sizes(config, defects, expected, "the draft was made for another target")
 
 
 # --- tensor checks ----------------------------------------------------------------------------------
@@ -262,19 +243,7 @@ def _check_against_target(config: dict[str, Any], defects: DefectList, target: F
 def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectList) -> None:
     with torch.device("meta"):
         expected = draft_from_serving_config(files.config).state_dict()
-    for name in sorted(set(expected) - set(files.shapes)):
-        defects.add(
-            name, "missing from model.safetensors; an engine would leave it at a random init (re-export)"
-        )
-    for name in sorted(set(files.shapes) - set(expected)):
-        defects.add(name, f"is not a tensor of the {architecture} layout; engines reject or ignore it")
-    for name in sorted(set(expected) & set(files.shapes)):
-        if tuple(expected[name].shape) != files.shapes[name]:
-            defects.add(
-                name,
-                f"has shape {files.shapes[name]} but config.json implies {tuple(expected[name].shape)}; the config "
-                "and the weights disagree",
-            )
+    check_tensor_shapes(files, expected, architecture, defects)
     for name, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name in files.dtypes and files.dtypes[name] != dtype:
             defects.add(name, f"has dtype {files.dtypes[name]}, expected {dtype}")

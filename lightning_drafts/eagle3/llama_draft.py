@@ -11,14 +11,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_drafts.eagle3.draft_base import Eagle3DecoderLayer, Eagle3Draft, GatedMLP, TTTAttention
-from lightning_drafts.eagle3.rope import (
-    FrequencyTable,
-    llama_rope_table,
-    resolve_rope_theta,
-    rope_scaling_of,
-    rotate_half_rope,
+from lightning_drafts.eagle3.draft_base import (
+    Eagle3DecoderLayer,
+    Eagle3Draft,
+    GatedMLP,
+    TTTAttention,
+    shared_fields,
 )
+from lightning_drafts.eagle3.rope import FrequencyTable, llama_rope_table, rotate_half_rope
 
 
 @dataclass(frozen=True)
@@ -46,22 +46,14 @@ class LlamaDraftConfig:
     def from_target(cls, text_config: Any, vocab_size: int, draft_vocab_size: int) -> LlamaDraftConfig:
         heads = text_config.num_attention_heads
         return cls(
-            vocab_size=vocab_size,
-            hidden_size=text_config.hidden_size,
-            target_hidden_size=text_config.hidden_size,
-            draft_vocab_size=draft_vocab_size,
+            **shared_fields(text_config, vocab_size, draft_vocab_size),
             num_attention_heads=heads,
             num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
-            intermediate_size=text_config.intermediate_size,
             hidden_act=getattr(text_config, "hidden_act", "silu"),
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
             attention_bias=bool(getattr(text_config, "attention_bias", False)),
             mlp_bias=bool(getattr(text_config, "mlp_bias", False)),
             max_position_embeddings=getattr(text_config, "max_position_embeddings", 4096),
-            rope_theta=resolve_rope_theta(text_config),
-            rope_scaling=rope_scaling_of(text_config),
-            initializer_range=getattr(text_config, "initializer_range", 0.02),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,16 +101,7 @@ class LlamaEagle3Draft(Eagle3Draft):
     def __init__(self, config: LlamaDraftConfig, rope: FrequencyTable) -> None:
         attention = LlamaDraftAttention(config, rope)
         mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
-        super().__init__(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            target_hidden_size=config.target_hidden_size,
-            draft_vocab_size=config.draft_vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            initializer_range=config.initializer_range,
-            midlayer=Eagle3DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp),
-        )
-        self.config = config
+        super().__init__(config, Eagle3DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp))
 
 
 def build_llama_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> LlamaEagle3Draft:

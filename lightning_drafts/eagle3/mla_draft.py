@@ -22,14 +22,9 @@ from lightning_drafts.eagle3.draft_base import (
     GatedMLP,
     RMSNorm,
     TTTAttention,
+    shared_fields,
 )
-from lightning_drafts.eagle3.rope import (
-    FrequencyTable,
-    deepseek_rope_table,
-    interleaved_rope,
-    resolve_rope_theta,
-    rope_scaling_of,
-)
+from lightning_drafts.eagle3.rope import FrequencyTable, deepseek_rope_table, interleaved_rope
 
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -64,22 +59,14 @@ class MLADraftConfig:
                 "MLAEagle3Module needs a DeepSeek-V3-style target (use Eagle3Module for dense targets)"
             )
         return cls(
-            vocab_size=vocab_size,
-            hidden_size=text_config.hidden_size,
-            target_hidden_size=text_config.hidden_size,
-            draft_vocab_size=draft_vocab_size,
+            **shared_fields(text_config, vocab_size, draft_vocab_size),
             num_attention_heads=text_config.num_attention_heads,
             q_lora_rank=getattr(text_config, "q_lora_rank", None),
             kv_lora_rank=text_config.kv_lora_rank,
             qk_nope_head_dim=text_config.qk_nope_head_dim,
             qk_rope_head_dim=text_config.qk_rope_head_dim,
             v_head_dim=text_config.v_head_dim,
-            intermediate_size=text_config.intermediate_size,
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
             max_position_embeddings=getattr(text_config, "max_position_embeddings", None) or 4096,
-            rope_theta=resolve_rope_theta(text_config),
-            rope_scaling=rope_scaling_of(text_config),
-            initializer_range=getattr(text_config, "initializer_range", 0.02),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,18 +123,8 @@ class MLAEagle3Draft(Eagle3Draft):
 
     def __init__(self, config: MLADraftConfig) -> None:
         mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu")
-        super().__init__(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            target_hidden_size=config.target_hidden_size,
-            draft_vocab_size=config.draft_vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            initializer_range=config.initializer_range,
-            midlayer=Eagle3DecoderLayer(
-                config.hidden_size, config.rms_norm_eps, MLADraftAttention(config), mlp
-            ),
-        )
-        self.config = config
+        attention = MLADraftAttention(config)
+        super().__init__(config, Eagle3DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp))
 
     @property
     def rope(self) -> FrequencyTable:

@@ -22,12 +22,14 @@ from lightning_drafts.attention.backends import (
 )
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.checks import check_int, is_number
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.export import export_eagle3
 from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
 from lightning_drafts.eagle3.llama_draft import build_llama_draft
 from lightning_drafts.eagle3.mla_draft import build_mla_draft
+from lightning_drafts.eagle3.rules import TARGET_LAYER_IDS
 from lightning_drafts.eagle3.ttt import TeacherSignal, eagle3_objective, ttt_unroll
 from lightning_drafts.eagle3.vocab_mapping import (
     VocabMapping,
@@ -72,7 +74,7 @@ class Eagle3Base(DraftModule):
         draft_attn_backend: str = "auto",
         **kwargs: Any,
     ) -> None:
-        _check_ttt_length(ttt_length)
+        check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
         _check_gamma(loss_decay_gamma)
         if kwargs.get("activation_checkpointing"):
             raise ValueError(
@@ -268,43 +270,15 @@ class MLAEagle3Module(Eagle3Base):
 
 
 def resolve_target_layer_ids(target_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The captured layers: the default recipe, or three distinct, ascending, in-range explicit ids.
-
-    Ascending because serving engines gather the captured states while looping over layers, so ``fc``'s
-    input chunks arrive in ascending layer order there.
-    """
+    """The captured layers: the default recipe, or explicit ids meeting
+    :data:`~lightning_drafts.eagle3.rules.TARGET_LAYER_IDS`."""
     if target_layer_ids is None:
         return default_capture_layers(num_layers)
-    ids = list(target_layer_ids) if isinstance(target_layer_ids, (list, tuple)) else None
-    if ids is None or len(ids) != 3 or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ValueError(
-            f"target_layer_ids must be three int layer ids (or None for the default), got {target_layer_ids!r}"
-        )
-    if len(set(ids)) != 3 or any(not 0 <= i < num_layers for i in ids):
-        raise ValueError(
-            f"target_layer_ids {ids} must be three distinct ids in [0, {num_layers}) (the target has "
-            f"{num_layers} decoder layers; ids name layer outputs, HF hidden_states[id + 1])"
-        )
-    if ids != sorted(ids):
-        raise ValueError(
-            f"target_layer_ids {ids} must be ascending ({sorted(ids)}): serving engines concatenate the captured "
-            "states in layer order, so any other order would scramble fc's input at serving time"
-        )
-    return ids
-
-
-def _check_ttt_length(ttt_length: Any) -> None:
-    if isinstance(ttt_length, bool) or not isinstance(ttt_length, int) or ttt_length < 1:
-        raise ValueError(f"ttt_length must be an int >= 1 (TTT steps per slot), got {ttt_length!r}")
+    return list(TARGET_LAYER_IDS.check(target_layer_ids, num_layers=num_layers))
 
 
 def _check_gamma(gamma: Any) -> None:
-    if (
-        isinstance(gamma, bool)
-        or not isinstance(gamma, (int, float))
-        or not math.isfinite(gamma)
-        or gamma <= 0
-    ):
+    if not (is_number(gamma) and math.isfinite(gamma) and gamma > 0):
         raise ValueError(f"loss_decay_gamma must be a finite number > 0 (the default is 0.8), got {gamma!r}")
 
 

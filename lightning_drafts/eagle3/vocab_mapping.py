@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_drafts.core.checks import check_int
+
 
 @dataclass(frozen=True)
 class VocabMapping:
@@ -147,11 +149,7 @@ def check_draft_vocab_size(draft_vocab_size: int | None, vocab_size: int) -> int
     """The effective draft vocabulary size: ``V`` for ``None`` or anything ``>= V``."""
     if draft_vocab_size is None:
         return vocab_size
-    if isinstance(draft_vocab_size, bool) or not isinstance(draft_vocab_size, int) or draft_vocab_size <= 0:
-        raise ValueError(
-            f"draft_vocab_size must be a positive int or None (the full target vocabulary), got "
-            f"{draft_vocab_size!r}"
-        )
+    check_int("draft_vocab_size", draft_vocab_size, 1, hint="or None: the full target vocabulary")
     return min(draft_vocab_size, vocab_size)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.decode import as_prompt, greedy_generate, speculative_generate
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
 from lightning_drafts.serving.family import DraftFamily
@@ -64,8 +65,7 @@ def evaluate_family_export(
     frozen = resolve_target(target, config, directory, target_seed, target_attn_backend, target_dtype, device)
     summary = family.validate(directory, frozen)
     steps = family.default_num_steps(config) if num_steps is None else num_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"num_steps={steps!r} must be an int >= 1 (tokens proposed per verify round)")
+    check_int("num_steps", steps, 1, hint="tokens proposed per verify round")
     stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
     speculator = family.load_speculator(directory, frozen, steps)
     prompt_tensors = [as_prompt(p, frozen) for p in prompts]

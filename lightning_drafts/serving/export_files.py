@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +167,19 @@ def read_export(directory: str | Path) -> ExportFiles:
     return ExportFiles(directory, config, shapes, dtypes)
 
 
+def open_export(directory: str | Path, architectures: Collection[str], kind: str) -> tuple[ExportFiles, str]:
+    """:func:`read_export` of a ``kind`` export (e.g. "a DFlash") and its ``architectures[0]``, which must be
+    one of ``architectures``: any other layout is refused outright, before its fields are checked."""
+    files = read_export(directory)
+    architecture = architecture_of(files.config, files.directory)
+    if architecture not in architectures:
+        raise ValueError(
+            f"{files.directory / CONFIG_FILE}: architectures[0] = {architecture!r} is not {kind} layout "
+            f"({sorted(architectures)})"
+        )
+    return files, architecture
+
+
 def architecture_of(config: dict[str, Any], directory: Path) -> str:
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
@@ -223,10 +236,26 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def check_tensor_layout(
-    files: ExportFiles, expected: dict[str, Tensor], architecture: str, defects: DefectList
+    files: ExportFiles, expected: Mapping[str, Tensor], architecture: str, defects: DefectList
 ) -> None:
     """The written tensors are exactly those ``expected`` (built from config.json), with their shapes, in
     the one dtype config.json declares."""
+    check_tensor_shapes(files, expected, architecture, defects)
+    dtypes = {dtype for dtype in files.dtypes.values() if dtype.is_floating_point}
+    declared = files.config.get("torch_dtype")
+    if len(dtypes) > 1:
+        defects.add("model.safetensors", f"mixes dtypes {sorted(map(str, dtypes))}; write one dtype")
+    elif declared is not None and dtypes and f"torch.{declared}" != str(next(iter(dtypes))):
+        defects.add(
+            "torch_dtype",
+            f"is {declared!r} but the weights are {next(iter(dtypes))}; readers cast by the config",
+        )
+
+
+def check_tensor_shapes(
+    files: ExportFiles, expected: Mapping[str, Tensor], architecture: str, defects: DefectList
+) -> None:
+    """The written tensors are exactly those ``expected`` (built from config.json), with their shapes."""
     for name in sorted(set(expected) - set(files.shapes)):
         defects.add(
             name, "missing from model.safetensors; a reader would leave it at a random init (re-export)"
@@ -240,15 +269,39 @@ def check_tensor_layout(
                 f"has shape {files.shapes[name]} but config.json implies {tuple(expected[name].shape)}; the "
                 "config and the weights disagree",
             )
-    dtypes = {dtype for dtype in files.dtypes.values() if dtype.is_floating_point}
-    declared = files.config.get("torch_dtype")
-    if len(dtypes) > 1:
-        defects.add("model.safetensors", f"mixes dtypes {sorted(map(str, dtypes))}; write one dtype")
-    elif declared is not None and dtypes and f"torch.{declared}" != str(next(iter(dtypes))):
-        defects.add(
-            "torch_dtype",
-            f"is {declared!r} but the weights are {next(iter(dtypes))}; readers cast by the config",
-        )
+
+
+def check_built_weights(
+    files: ExportFiles,
+    build: Callable[[], torch.nn.Module],
+    architecture: str,
+    defects: DefectList,
+    still_initial: Callable[[str, Tensor], str | None] = lambda name, tensor: None,
+    not_shipped: Collection[str] = (),
+) -> None:
+    """The weights of a draft a reader builds from ``files.config`` (``build()``, run on the meta device):
+    :func:`check_tensor_layout` against its tensors less ``not_shipped`` (those the server takes from the
+    target), then, when the layout is right, :func:`check_trained_tensors`."""
+    try:
+        with torch.device("meta"):
+            expected = build().state_dict()
+    except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown hidden_act or rope_type
+        defects.add(CONFIG_FILE, f"does not describe a buildable {architecture} ({error})")
+    else:
+        shipped = {name: tensor for name, tensor in expected.items() if name not in not_shipped}
+        check_tensor_layout(files, shipped, architecture, defects)
+    defects.raise_if_any()
+    check_trained_tensors(files, defects, still_initial)
+
+
+def check_target_sizes(
+    config: Mapping[str, Any], defects: DefectList, expected: Mapping[str, Any], why: str
+) -> None:
+    """Each field of ``expected`` present in ``config`` equals the target's value there (``why``: what
+    a mismatch means)."""
+    for name, value in expected.items():
+        if name in config and config[name] != value:
+            defects.add(name, f"is {config[name]} but the target has {value}; {why}")
 
 
 def check_trained_tensors(

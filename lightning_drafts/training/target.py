@@ -18,6 +18,7 @@ from lightning_drafts.attention.backends import (
     resolve_backend,
 )
 from lightning_drafts.core.batch import PackedBatch, varlen_layout
+from lightning_drafts.core.checks import is_int
 
 TargetSpec = str | dict | PreTrainedModel
 
@@ -137,7 +138,7 @@ class FrozenTarget(nn.Module):
         for name in names:
             ids = getattr(self.text_config, name, None)
             for token in ids if isinstance(ids, (list, tuple)) else [ids]:
-                if isinstance(token, int) and not isinstance(token, bool):
+                if is_int(token):
                     special.setdefault(token, name.removesuffix("_token_id"))
         return special
 

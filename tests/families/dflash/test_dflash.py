@@ -255,7 +255,7 @@ def test_default_target_layer_spread():
         ({"mask_token_id": None}, "mask_token_id is required"),
         ({"mask_token_id": 96}, r"outside the target vocabulary \[0, 96\)"),
         ({"mask_token_id": -1}, "outside the target vocabulary"),
-        ({"mask_token_id": 0, "pad_token_id": 0}, "mask_token_id = 0 is also the tokenizer's pad_token_id"),
+        ({"mask_token_id": 0, "pad_token_id": 0}, "mask_token_id = 0, the tokenizer's pad_token_id"),
         ({"block_size": 1}, "block_size = 1"),
         ({"num_anchors": 0}, "num_anchors = 0"),
         ({"num_draft_layers": 0}, "num_draft_layers = 0"),
