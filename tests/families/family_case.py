@@ -104,6 +104,7 @@ class FamilyCase:
             the family has them (document isolation is then checked position by position).
         config_of: the draft's serving configuration, which a reload from its export must reproduce.
         details: what ``validate_export(...).details`` must hold for the trained export.
+        required_tensor: a tensor every export of it holds (dropping it must stop serving before decoding).
         loss / grads / metrics: packed == padded tolerances.
         isolation_atol: how far an unperturbed document's outputs may move when another one changes.
     """
@@ -114,6 +115,7 @@ class FamilyCase:
     trained: Callable[[str], DraftModule]
     num_steps: Callable[[DraftModule], int]
     quickstart: Path
+    required_tensor: str
     vocab: int = VOCAB
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {"default": {}})
     loss_inputs: Callable[[DraftModule, dict[str, Tensor], int], dict[str, Tensor]] = no_inputs

@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_drafts.cli.main import main, run_cli
 from lightning_drafts.core.acceptance import prefix_counts
 from lightning_drafts.core.batch import validate_batch
+from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.family import Speculator
 from lightning_drafts.training.module import DraftModule
@@ -44,6 +45,7 @@ from tests.builders import (
     packed_row,
     padded_rows,
     random_docs,
+    rewrite_export,
     stack_rows,
 )
 from tests.cli.test_cli import short_fit
@@ -67,7 +69,7 @@ def params(*axes: str) -> list:
         for values, label in rows:
             family, case = values[:2]
             if axis == "variant":
-                # Every variant on the first target kind, every other kind with the first variant.
+                # Every variant on the first target kind (the axis before), other kinds the first variant.
                 first = next(iter(case.variants))
                 options = [(first,)] if values[-1] != case.targets[0] else [(v,) for v in case.variants]
             else:
@@ -77,7 +79,10 @@ def params(*axes: str) -> list:
     return [pytest.param(*values, id=label) for values, label in rows]
 
 
-def run(module: DraftModule, batch: dict[str, Tensor], inputs: dict[str, Tensor]):
+def run(
+    module: DraftModule, batch: dict[str, Tensor], inputs: dict[str, Tensor]
+) -> tuple[DraftOutput, dict[str, Tensor]]:
+    """One loss and its backward; every trainable weight must get a gradient."""
     module.zero_grad(set_to_none=True)
     output = module.compute_loss(batch, **inputs)
     output.loss.backward()
@@ -153,6 +158,27 @@ def test_packed_equals_padded_loss_gradients_and_statistics(family, case: Family
         assert float(denominator) == pytest.approx(float(b.sums[name][1])), name
 
 
+@pytest.mark.parametrize(("family", "case", "kind"), params("kind"), indirect=["family"])
+def test_one_document_with_packing_metadata_equals_the_bare_ids(family, case: FamilyCase, kind):
+    module = case.build(TINY_TARGETS[kind])
+    (doc,) = documents([20], seed=4)
+    packed = packed_row([doc], 20)
+    assert packed["seq_lens"].tolist() == [[20]]
+    bare = {"input_ids": doc[None]}
+    inputs = case.loss_inputs(module, packed, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            module.compute_loss(packed, **inputs).loss,
+            module.compute_loss(bare, **inputs).loss,
+            rtol=0,
+            atol=0,
+        )
+        if case.position_logits is not None:
+            torch.testing.assert_close(
+                case.position_logits(module, packed), case.position_logits(module, bare), rtol=0, atol=0
+            )
+
+
 # --- document isolation ---------------------------------------------------------------------------------
 
 # Row 0: documents 0, 1, 2 at positions 0..8, 9..20, 21..31 (trailing padding folded in); row 1: document 3.
@@ -214,6 +240,8 @@ def test_changing_one_document_leaves_every_other_documents_outputs_unchanged(fa
 
 # --- fail-loud -----------------------------------------------------------------------------------------
 
+UNKNOWN_LAYOUT = "layout 'no-such-layout' was given, but {name} (exports one layout only|writes the layouts)"
+
 
 @pytest.mark.parametrize(("family", "case"), params(), indirect=["family"])
 def test_every_bad_batch_raises_value_error_naming_the_key(family, case: FamilyCase):
@@ -235,18 +263,19 @@ def test_anchors_are_checked_and_an_unknown_layout_is_refused(family, case: Fami
     module = case.build(TINY_TARGETS[case.targets[0]])
     batch, _ = twins(ROWS, width=20)
     if case.takes_anchors:
-        bad = {
-            "not a valid anchor": torch.tensor([[0], [-1], [-1]]),  # a prompt token
-            r"\[B, N\]": torch.tensor([2, 3]),
-            "outside the row": torch.tensor([[20], [-1], [-1]]),
-        }
-        for match, anchors in bad.items():
+        bad = [
+            ("not a valid anchor", torch.tensor([[0], [-1], [-1]])),  # a prompt token
+            ("not a valid anchor", torch.tensor([[8], [-1], [-1]])),  # a document's last token
+            (r"\[B, N\]", torch.tensor([2, 3])),
+            ("outside the row", torch.tensor([[20], [-1], [-1]])),
+        ]
+        for match, anchors in bad:
             with pytest.raises(ValueError, match=match):
                 module.compute_loss(batch, anchors=anchors)
     else:
         with pytest.raises(ValueError, match="anchors"):
             module.compute_loss(batch, anchors=torch.zeros(1, 1, dtype=torch.long))
-    with pytest.raises(ValueError, match="layout 'no-such-layout'"):
+    with pytest.raises(ValueError, match=UNKNOWN_LAYOUT.format(name=case.name)):
         family.export(module, tmp_path / "draft", layout="no-such-layout")
     assert not (tmp_path / "draft").exists()
 
@@ -275,6 +304,7 @@ def check_reload(family, case: FamilyCase, module: DraftModule, export: Path, la
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+    assert tuple(reloaded.target_layer_ids) == tuple(module.target_layer_ids)
     if case.config_of is not None:
         assert case.config_of(reloaded) == case.config_of(module)
     batch, _ = twins(ROWS, width=20)
@@ -314,13 +344,27 @@ def test_a_lightning_checkpoint_exports_through_the_registry(family, case: Famil
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=None))
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert saved["state_dict"] and not any(k.startswith("target.") for k in saved["state_dict"])
+    state = saved["state_dict"]
+    assert state and not any(k.startswith(("target.", "ratio_metrics.")) for k in state)
     # A checkpoint from an FSDP2 run with every training-layout option exports on one process too.
     saved["hyper_parameters"].update(shard_target=True, activation_checkpointing=True)
     torch.save(saved, tmp_path / "last.ckpt")
 
     export = export_checkpoint(tmp_path / "last.ckpt", tmp_path / "served", layout=layout)
     check_reload(family, case, module, export, layout)
+    # `lightning-drafts export` is the same path, its --layout included.
+    main(
+        [
+            "export",
+            str(tmp_path / "last.ckpt"),
+            str(tmp_path / "cli"),
+            *(["--layout", layout] if layout else []),
+        ]
+    )
+    check_reload(family, case, module, tmp_path / "cli", layout)
+    with pytest.raises(ValueError, match=UNKNOWN_LAYOUT.format(name=case.name)):
+        export_checkpoint(tmp_path / "last.ckpt", tmp_path / "other", layout="no-such-layout")
+    assert not (tmp_path / "other").exists()
 
 
 # --- served decoding ------------------------------------------------------------------------------------
@@ -355,6 +399,17 @@ def test_a_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_sid
     payload = json.loads(report.write_json(tmp_path / "report.json").read_text())
     assert payload["served"]["accept_len"] == report.served.accept_len
     assert payload["training"]["accept_len"] == report.training.accept_len
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("family", "case", "layout"), params("layout"), indirect=["family"])
+def test_evaluate_refuses_a_broken_export_before_decoding(family, case: FamilyCase, layout, tmp_path):
+    module = case.trained(case.targets[0])
+    export = family.export(module, tmp_path / "draft", layout=layout)
+    broken = rewrite_export(export, tmp_path / "broken", tensor_edit=lambda t: t.pop(case.required_tensor))
+    prompts = random_docs([5], vocab=case.vocab, seed=3)
+    with pytest.raises(ValueError, match=re.escape(f"{case.required_tensor}: missing")):
+        evaluate_export(broken, prompts, target=module.target, max_new_tokens=4)
 
 
 # --- the quickstart config through the CLI --------------------------------------------------------------

@@ -160,6 +160,7 @@ def _case(module_class: type[DFlashModule], quickstart: str, **fields) -> Family
         trained=lambda kind: trained_module(module_class, target=sharpened_target(kind)),
         num_steps=lambda module: module.block_size - 1,
         quickstart=ROOT / "configs" / "quickstart" / quickstart,
+        required_tensor="fc.weight",
         vocab=MASK,
         loss_inputs=anchor_inputs,
         padded_inputs=padded_anchor_inputs,

@@ -113,6 +113,7 @@ CASES = {
         trained=lambda kind: trained_module(target=sharpened_target(kind)),
         num_steps=lambda module: module.block_size,
         quickstart=ROOT / "configs" / "quickstart" / "dspark.yaml",
+        required_tensor="markov_head.markov_w2.weight",
         vocab=MASK,
         variants={
             "vanilla": {},

@@ -119,6 +119,7 @@ def _case(module_class: type[Eagle3Base], targets: tuple[str, ...], quickstart: 
         trained=lambda name: trained_module(module_class, name),
         num_steps=lambda module: module.hparams.ttt_length,
         quickstart=ROOT / "configs" / "quickstart" / quickstart,
+        required_tensor="lm_head.weight",
         position_logits=position_logits,
         details={"draft_vocab_size": 48, "vocab_size": VOCAB, "ttt_length": STEPS},
         # The TTT unroll sums K steps of attention and chunked vocabulary terms.

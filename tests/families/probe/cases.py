@@ -38,6 +38,7 @@ CASES = {
         trained=trained,
         num_steps=lambda module: 1,
         quickstart=QUICKSTART,
+        required_tensor="head.weight",
         position_logits=lambda module, batch: module.position_logits(batch),
         details={"vocab_size": VOCAB},
     )
