@@ -1,13 +1,17 @@
-"""Shared fixtures: offline hub, two threads, and one tiny target config per supported family."""
+"""Shared fixtures: offline hub, two threads, one tiny target config per supported target kind, the family
+under test (registered when it is not a shipped one) and one thread for decoding."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from lightning_drafts.serving.family import DraftFamily
 from tests.builders import TINY_TARGETS
+from tests.families.family_case import registered
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -16,3 +20,20 @@ torch.set_num_threads(2)
 @pytest.fixture(params=sorted(TINY_TARGETS))
 def target_config(request) -> dict:
     return dict(TINY_TARGETS[request.param])
+
+
+@pytest.fixture
+def family(request) -> Iterator[DraftFamily]:
+    """The family a test is parametrised with (``indirect``). One the library does not ship is registered
+    for the test's duration through the seam every family plugs in through, and unregistered after."""
+    with registered(request.param) as family:
+        yield family
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Decoding runs hundreds of tiny forwards; a second thread only adds synchronisation to each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
-"""DFlashModule: packed == padded (loss, gradients, acceptance), document isolation, objective, guards,
-export round trip, zero-anchor batches, and a few steps in a Lightning Trainer."""
+"""DFlashModule: blocks and their targets, the objective, sliding window, known prefixes, guards, the
+serving layout, zero-anchor batches, and a few steps in a Lightning Trainer (packed == padded, document
+isolation, bad batches and anchors, the export round trip: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from lightning_drafts.blockdraft.draft import default_target_layer_ids
 from lightning_drafts.blockdraft.objective import block_targets, decay_weights, decayed_cross_entropy
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash import load_exported_draft
-from lightning_drafts.workflows.export import export_checkpoint
 from tests.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,
@@ -26,7 +26,6 @@ from tests.block_draft_cases import (
     documents,
     perturb,
     run,
-    to_padded,
     twins,
     with_prompts,
 )
@@ -46,47 +45,21 @@ def make(**kwargs) -> DFlashModule:
     [{}, {"sliding_window": 3, "variable_prefix": True, "loss_decay_gamma": None}],
     ids=["plain", "window+variable_prefix"],
 )
-def test_packed_equals_padded_loss_gradients_and_acceptance(options):
+def test_one_chain_per_anchor_and_a_short_document_counted(options):
+    # Packed == padded under these options (loss, gradients, acceptance) is the conformance suite's.
     module = make(**options)
     perturb(module)
-    packed_batch, padded_batch = twins(ROWS, width=20)
-    packed = validate_batch(packed_batch)
-    anchors = sample_anchors(packed, BLOCK, 3, generator=torch.Generator().manual_seed(0))
+    packed_batch, _ = twins(ROWS, width=20)
+    anchors = sample_anchors(
+        validate_batch(packed_batch), BLOCK, 3, generator=torch.Generator().manual_seed(0)
+    )
     prefix = torch.randint(2, BLOCK, anchors.shape, generator=torch.Generator().manual_seed(1))
-    padded_anchors, padded_prefix = to_padded(packed, anchors, prefix)
     extra = {"prefix_lengths": prefix} if options else {}
-    padded_extra = {"prefix_lengths": padded_prefix} if options else {}
-
-    packed_result = run(module, packed_batch, anchors, **extra)
-    padded_result = run(module, padded_batch, padded_anchors, **padded_extra)
-    assert_same_results(packed_result, padded_result)
-    output = packed_result[0]
+    with torch.no_grad():
+        output = module.compute_loss(packed_batch, anchors=anchors, **extra)
     assert output.correct.shape == (int((anchors >= 0).sum()), BLOCK - 1)
     assert int(output.metrics["short_documents"]) == 1
     assert output.valid.any() and not output.valid.all()  # prompt tokens inside some blocks
-
-
-def test_documents_are_isolated():
-    module = make()
-    perturb(module)
-    before, after = documents([9, 8], seed=5)
-    target_doc = documents([12], seed=6)[0]
-    batch = with_prompts(packed_row([before, target_doc, after], 40))
-    anchors = torch.tensor([[11, 13, 16]])  # only in the middle document (positions 9..20)
-    loss = module.compute_loss(batch, anchors=anchors).loss
-
-    for other in (0, 2):
-        changed = [before.clone(), target_doc.clone(), after.clone()]
-        changed[other] = torch.flip(changed[other], [0])
-        perturbed = with_prompts(packed_row(changed, 40))
-        torch.testing.assert_close(
-            module.compute_loss(perturbed, anchors=anchors).loss, loss, rtol=0, atol=1e-6
-        )
-
-    changed = [before, torch.flip(target_doc, [0]), after]  # the test can fail: its own document matters
-    assert not torch.allclose(
-        module.compute_loss(with_prompts(packed_row(changed, 40)), anchors=anchors).loss, loss
-    )
 
 
 @pytest.mark.parametrize("variable_prefix", [False, True])
@@ -103,15 +76,6 @@ def test_no_valid_anchor_gives_a_finite_connected_zero_loss(variable_prefix):
         module.zero_grad()
         output.loss.backward()
         assert all(p.grad is not None and not p.grad.any() for p in module.draft.parameters())
-
-
-def test_runs_against_every_tiny_target_family(target_config):
-    module = DFlashModule(target_config, mask_token_id=MASK_TOKEN, num_draft_layers=2, block_size=BLOCK)
-    batch, _ = twins(ROWS[:2], width=20)
-    output = module.compute_loss(batch)
-    assert torch.isfinite(output.loss) and output.correct.shape[0] > 0
-    output.loss.backward()
-    assert module.draft.fc.weight.grad.any()
 
 
 def test_block_targets_are_same_position_labels_masked_by_supervision():
@@ -276,16 +240,13 @@ def test_construction_guards_raise_value_error(kwargs, match):
 
 
 def test_runtime_guards_raise_value_error():
+    # Invalid anchors and batches are the conformance suite's; these are the known-prefix guards.
     module = make()
     batch, _ = twins(ROWS, width=20)
-    with pytest.raises(ValueError, match="not a valid anchor"):
-        module.compute_loss(batch, anchors=torch.tensor([[0], [-1], [-1]]))  # a prompt token
     with pytest.raises(ValueError, match="variable_prefix is off"):
         module.compute_loss(
             batch, anchors=torch.tensor([[2], [-1], [-1]]), prefix_lengths=torch.tensor([[2], [2], [2]])
         )
-    with pytest.raises(ValueError, match="outside the target vocabulary"):
-        module.compute_loss({**batch, "input_ids": batch["input_ids"] + 200})
     vp = make(variable_prefix=True)
     with pytest.raises(ValueError, match="shaped like anchors"):
         vp.compute_loss(batch, anchors=torch.tensor([[2], [-1], [-1]]), prefix_lengths=torch.tensor([2]))
@@ -320,17 +281,7 @@ def test_export_round_trips_and_has_the_serving_layout(tmp_path):
     draft, _ = load_exported_draft(path)
     for name, value in module.draft.state_dict().items():
         assert torch.equal(draft.state_dict()[name], value), name
-
-    batch, _ = twins(ROWS, width=20)
-    anchors = module.sample_anchors(batch, generator=torch.Generator().manual_seed(0))
-    fresh = make(sliding_window=6, draft_seed=7)
-    assert not torch.allclose(
-        fresh.compute_loss(batch, anchors).loss, module.compute_loss(batch, anchors).loss
-    )
-    fresh.load_exported(path)
-    torch.testing.assert_close(
-        fresh.compute_loss(batch, anchors).loss, module.compute_loss(batch, anchors).loss
-    )
+    # Reloading it into a module with its loss is the conformance suite's; a mismatched one is refused.
     with pytest.raises(ValueError, match="dflash_config"):
         make(sliding_window=6, block_size=5).load_exported(path)
 
@@ -344,7 +295,8 @@ def test_bf16_export_reloads_with_fp32_rope(tmp_path):
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
 
 
-def test_trains_a_few_steps_in_a_lightning_trainer_and_exports_its_checkpoint(tmp_path):
+def test_trains_a_few_steps_in_a_lightning_trainer():
+    # Its checkpoint, target-free and exportable through the registry, is the conformance suite's.
     module = make()
     rows = [twins(ROWS, width=20, seed=seed)[0] for seed in range(3)]
     before = {k: v.clone() for k, v in module.draft.state_dict().items()}
@@ -363,19 +315,3 @@ def test_trains_a_few_steps_in_a_lightning_trainer_and_exports_its_checkpoint(tm
     assert {"train/loss", "train/accept_len", "train/blocks", "train/acc_pos0"} <= set(metrics)
     assert torch.isfinite(metrics["train/loss"])
     assert any(not torch.equal(before[k], v) for k, v in module.draft.state_dict().items())
-
-    # The checkpoint holds only the draft, and `lightning-drafts export` rebuilds the module from it.
-    trainer.save_checkpoint(tmp_path / "last.ckpt")
-    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
-    assert state and not any(k.startswith("target.") for k in state)
-    # A checkpoint from an FSDP2 run with every training-layout option exports on one process too.
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    saved["hyper_parameters"].update(shard_target=True, activation_checkpointing=True)
-    torch.save(saved, tmp_path / "last.ckpt")
-    export_checkpoint(tmp_path / "last.ckpt", tmp_path / "served")
-    with pytest.raises(ValueError, match="layout 'nemo' was given, but DFlashModule exports one layout only"):
-        export_checkpoint(tmp_path / "last.ckpt", tmp_path / "other", layout="nemo")
-    draft, config = load_exported_draft(tmp_path / "served")
-    assert config["dflash_config"]["mask_token_id"] == MASK_TOKEN
-    for name, value in module.draft.state_dict().items():
-        assert torch.equal(draft.state_dict()[name], value), name

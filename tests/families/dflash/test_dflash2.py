@@ -1,5 +1,6 @@
-"""DFlash2Module: in-block convolution, path selector, DFlash equivalence at init, packed == padded,
-guards, export round trip, a few Trainer steps."""
+"""DFlash2Module: in-block convolution, path selector, DFlash equivalence at init, guards, the serving
+layout, a few Trainer steps (packed == padded with every part active, isolation, bad batches, the export
+round trip: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from tests.block_draft_cases import (
     assert_same_results,
     perturb,
     run,
-    to_padded,
     twins,
 )
 from tests.builders import TINY_TARGETS, VOCAB
@@ -176,16 +176,6 @@ def test_candidate_recall_is_one_when_every_token_is_a_candidate():
     assert output.metrics["candidate_recall"].item() == 1.0
 
 
-def test_packed_equals_padded_with_every_dflash2_part_active():
-    module = make()
-    perturb(module)  # conv off the identity, successor codebook off zero
-    packed_batch, padded_batch = twins(ROWS, width=20)
-    packed = validate_batch(packed_batch)
-    anchors = fixed_anchors(packed_batch)
-    padded_anchors, _ = to_padded(packed, anchors)
-    assert_same_results(run(module, packed_batch, anchors), run(module, padded_batch, padded_anchors))
-
-
 def test_chunked_logits_equal_one_piece():
     batch, _ = twins(ROWS, width=20)
     anchors = fixed_anchors(batch, seed=4)
@@ -269,13 +259,7 @@ def test_export_round_trips_with_the_dflash2_layout(tmp_path):
     draft, _ = load_exported_draft(path)
     for name, value in module.draft.state_dict().items():
         assert torch.equal(draft.state_dict()[name], value), name
-    batch, _ = twins(ROWS, width=20)
-    anchors = fixed_anchors(batch)
-    fresh = make(draft_seed=3)
-    fresh.load_exported(path)
-    torch.testing.assert_close(
-        fresh.compute_loss(batch, anchors).loss, module.compute_loss(batch, anchors).loss
-    )
+    # Reloading it into a module with its loss is the conformance suite's; a DFlash module refuses it.
     with pytest.raises(ValueError, match="DFlash2DraftModel"):
         make(DFlashModule).load_exported(path)
 

@@ -1,172 +1,38 @@
-"""Serving-faithful evaluation (issue 9) of DFlash and DFlash2: greedy speculative decoding from the exported
-files (one block per round, DFlash2 through its path selector), the export validator, and the served block
-against the training module's."""
+"""Serving-faithful evaluation of DFlash and DFlash2 exports: what is DFlash's own. The export validator
+names each defect, an untrained export is refused, and the served block (one per round, DFlash2 through
+its path selector) equals the training module's.
+
+(Lossless served decoding and the reload of every family: tests/families/test_conformance.py; a perfect
+draft, a wrong mask token and shorter rounds: tests/serving/test_served_evaluate.py; the CLI and the
+callback: tests/cli/test_evaluate_cli.py, tests/serving/test_served_acceptance_callback.py.)"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lightning_drafts import DFlash2Module, DFlashModule
 from lightning_drafts.attention.block_masks import block_layout
-from lightning_drafts.callbacks import ServedAcceptanceCallback
-from lightning_drafts.cli.main import main
 from lightning_drafts.core.batch import validate_batch
-from lightning_drafts.dflash.speculate import load_speculator, load_training_module
-from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.dflash.speculate import load_speculator
 from lightning_drafts.serving.family import VerifiedPrefix
-from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import validate_export
-from tests.builders import (
-    TINY_TARGETS,
-    VOCAB,
-    PromptRows,
-    assert_target_greedy,
-    packed_row,
-    random_docs,
-    rewrite_export,
-    stack_rows,
+from tests.block_draft_cases import BLOCK
+from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
+from tests.families.dflash.cases import (
+    EOS,
+    FAMILIES,
+    FAMILY_IDS,
+    MASK,
+    make,
+    sharpened_target,
+    trained_module,
 )
 
-BLOCK = 4
-MASK = VOCAB - 1  # reserved: never in a prompt or a training document
-EOS = 1
-DFLASH2_SIZES = {"conv_group_size": 4, "selector_rank": 8, "selector_top_k": 4}
-FAMILIES = [(DFlashModule, {}), (DFlash2Module, DFLASH2_SIZES)]
-FAMILY_IDS = ["dflash", "dflash2"]
-LAST_LAYER = TINY_TARGETS["qwen3"]["num_hidden_layers"] - 1
-# The last id is the target's last layer, so shifting the ids by one leaves the target.
-TRAINED_LAYERS = [3, LAST_LAYER]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Decoding runs hundreds of tiny forwards; a second thread only adds synchronisation to each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-# --- builders -----------------------------------------------------------------------------------------
-
-
-def tiny_qwen3(**overrides) -> PreTrainedModel:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_TARGETS["qwen3"], **overrides}))
-
-
-def sharpened_target() -> PreTrainedModel:
-    """A tiny random Qwen3 whose LM head is scaled up, so its greedy choices are far from ties."""
-    model = tiny_qwen3(eos_token_id=EOS)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(10)
-    return model
-
-
-def make(module_class: type[DFlashModule], target, **kwargs) -> DFlashModule:
-    torch.manual_seed(0)
-    sizes = DFLASH2_SIZES if module_class is DFlash2Module else {}
-    return module_class(
-        target,
-        mask_token_id=MASK,
-        num_draft_layers=kwargs.pop("num_draft_layers", 2),
-        block_size=BLOCK,
-        num_anchors=4,
-        draft_attn_backend="sdpa",
-        target_attn_backend="sdpa",
-        **{**sizes, **kwargs},
-    )
-
-
-def training_batch() -> dict[str, torch.Tensor]:
-    docs = random_docs([9, 7], vocab=MASK, seed=7) + random_docs([12], vocab=MASK, seed=8)
-    return stack_rows([packed_row(docs[:2], 16), packed_row(docs[2:], 16)])
-
-
-def trained_module(module_class: type[DFlashModule], steps: int = 4, target=None) -> DFlashModule:
-    """A draft trained a few optimizer steps on a fixed batch (export, not quality, is under test)."""
-    target = sharpened_target() if target is None else target
-    module = make(module_class, target, target_layer_ids=TRAINED_LAYERS)
-    batch = training_batch()
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        module.compute_loss(batch).loss.backward()
-        optimizer.step()
-    return module
-
-
-def repeating_target() -> PreTrainedModel:
-    """A tiny Qwen3 (every layer random) whose greedy output repeats its last token, with a null mask row.
-
-    Its embeddings are scaled up until they dominate the residual stream, and its LM head is the
-    row-normalised embedding, so the final hidden state at a token is closest to that token's own row.
-    The reserved mask token's embedding (and LM-head) row is zero, as an unused row may be.
-    """
-    model = tiny_qwen3()
-    with torch.no_grad():
-        embedding = model.get_input_embeddings().weight.mul_(50)
-        embedding[MASK] = 0
-        norms = embedding.norm(dim=-1, keepdim=True).clamp(min=1e-6)
-        model.get_output_embeddings().weight.copy_(10 * embedding / norms)
-    return model
-
-
-def perfect_module(module_class: type[DFlashModule]) -> DFlashModule:
-    """A one-layer DFlash / DFlash2 draft that predicts, at every masked slot, what the target predicts.
-
-    Construction (target: :func:`repeating_target`; prompts: one token repeated, so every context position
-    carries the same target features ``f(a)`` and the target's greedy continuation is ``a a a ...``):
-
-    * ``fc`` selects the chunk of ``target_layer_ids[1]``, the target's **last** layer, whose output the
-      target's final norm and LM head turn into its greedy token ``a``; ``v_proj`` / ``o_proj`` are the
-      identity (4 KV heads, so values are not squeezed through GQA);
-    * ``k_norm`` is zero, so every key is 0 and attention is uniform: each slot averages the context values
-      (all ``hidden_norm(f(a))``), the anchor slot's value (its embedding, along ``a``'s row) and the mask
-      slots' values, which are zero because the mask token's embedding row is zero;
-    * ``post_attention_layernorm`` is zero, so the MLP adds nothing; ``norm`` is the target's final norm.
-
-    So every masked slot's logits are the target's own logits of ``a``: a draft served with the right
-    mask token proposes ``a`` at every slot and reaches ``block_size``. DFlash2's convs and selector are
-    moved off their (identity / zero) init but kept small, so they carry the same picks.
-    """
-    target = repeating_target()
-    module = make(
-        module_class,
-        target,
-        num_draft_layers=1,
-        target_layer_ids=[3, LAST_LAYER],
-        draft_overrides={"num_key_value_heads": 4},
-    )
-    draft, hidden = module.draft, module.draft.fc.weight.shape[0]
-    layer = draft.layers[0]
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, hidden:] = torch.eye(hidden)
-        layer.self_attn.k_norm.weight.zero_()
-        layer.self_attn.v_proj.weight.copy_(torch.eye(hidden))
-        layer.self_attn.o_proj.weight.copy_(torch.eye(hidden))
-        layer.post_attention_layernorm.weight.zero_()
-        draft.norm.weight.copy_(target.model.norm.weight)
-        if module_class is DFlash2Module:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel[:, 1:] = 0.1
-                conv.kernel_projection.weight.normal_(std=1e-3)
-            draft.candidate_selector.successor_codebook.normal_(std=1e-2)
-    return module
-
-
-def repeated_prompts() -> list[torch.Tensor]:
-    return [torch.full((length,), token) for length, token in ((5, 3), (7, 11), (9, 40))]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -176,86 +42,6 @@ def trained_exports(tmp_path_factory) -> dict[str, tuple[DFlashModule, Path]]:
         module = trained_module(module_class)
         exports[name] = module, module.export(tmp_path_factory.mktemp(name) / "draft")
     return exports
-
-
-# --- served decoding ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", FAMILY_IDS)
-def test_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side(
-    name, trained_exports, tmp_path
-):
-    module, export = trained_exports[name]
-    prompts = random_docs([5, 8, 11], vocab=MASK, seed=21)
-    report = evaluate_export(
-        export, prompts, target=module.target, max_new_tokens=12, stop_token_ids=(), check_lossless=True
-    )
-
-    assert report.lossless is True
-    assert_target_greedy(module.target, prompts, report.generations, 12)
-    assert report.architecture == module.architecture
-    assert report.num_steps == BLOCK - 1 and report.rounds >= 3 and report.generated_tokens == 3 * 12
-    assert 1.0 <= report.served.accept_len <= BLOCK
-    assert report.training is not None and 1.0 <= report.training.accept_len <= BLOCK
-    assert len(report.served.prefix_rate) == len(report.training.prefix_rate) == BLOCK - 1
-    assert report.export.target_layer_ids == tuple(module.target_layer_ids)
-    assert report.export.details["mask_token_id"] == MASK and report.export.details["block_size"] == BLOCK
-    table = report.format_table()
-    assert "served" in table and "tau_sim" in table and "accept_len" in table
-    payload = json.loads(report.write_json(tmp_path / "report.json").read_text())
-    assert payload["served"]["accept_len"] == report.served.accept_len
-    assert payload["training"]["accept_len"] == report.training.accept_len
-
-
-@pytest.mark.parametrize(("module_class", "sizes"), FAMILIES, ids=FAMILY_IDS)
-def test_a_perfect_draft_reaches_the_maximum_acceptance_length(module_class, sizes, tmp_path):
-    """See :func:`perfect_module`: the draft carries the target's own last-layer computation to every slot."""
-    module = perfect_module(module_class)
-    prompts = repeated_prompts()
-    for prompt in prompts:
-        assert greedy_generate(module.target, prompt, 6) == [int(prompt[-1])] * 6, "the target must repeat"
-    export = module.export(tmp_path / "draft")
-    report = evaluate_export(export, prompts, target=module.target, max_new_tokens=16, stop_token_ids=())
-
-    assert report.served.accept_len == BLOCK
-    assert report.served.prefix_rate == [1.0] * (BLOCK - 1)
-    assert report.served.position_accuracy == [1.0] * (BLOCK - 1)
-    assert report.training.accept_len == pytest.approx(BLOCK)
-    assert report.generations == [[int(p[-1])] * 16 for p in prompts]
-
-
-@pytest.mark.parametrize(("module_class", "sizes"), FAMILIES, ids=FAMILY_IDS)
-def test_a_wrong_mask_token_id_collapses_served_acceptance(module_class, sizes, tmp_path):
-    """Another in-vocabulary id is a valid config the validator cannot tell from the trained one; served
-    decoding shows it: the masked slots now carry a real token's embedding and every proposal fails."""
-    module = perfect_module(module_class)
-    export = module.export(tmp_path / "draft")
-    broken = rewrite_export(
-        export, tmp_path / "broken", config_edit=lambda c: c["dflash_config"].update(mask_token_id=7)
-    )
-    validate_export(broken, module.target)
-    prompts = repeated_prompts()
-    good = evaluate_export(
-        export, prompts, target=module.target, max_new_tokens=8, with_training_estimate=False
-    )
-    bad = evaluate_export(
-        broken, prompts, target=module.target, max_new_tokens=8, with_training_estimate=False
-    )
-    assert good.served.accept_len == BLOCK
-    assert bad.served.accept_len == 1.0
-    assert bad.generations == good.generations  # still lossless: the target corrects every token
-
-
-def test_num_steps_shorter_than_the_block_cuts_proposals_and_the_estimate(tmp_path):
-    module = perfect_module(DFlashModule)
-    export = module.export(tmp_path / "draft")
-    report = evaluate_export(
-        export, repeated_prompts(), target=module.target, max_new_tokens=10, num_steps=2, stop_token_ids=()
-    )
-    assert report.served.accept_len == 3 and len(report.training.prefix_rate) == 2
-    assert report.training.accept_len == pytest.approx(3)
-    with pytest.raises(ValueError, match="num_steps = 4 must be in"):
-        evaluate_export(export, repeated_prompts(), target=module.target, num_steps=BLOCK)
 
 
 # --- the validator ------------------------------------------------------------------------------------
@@ -293,7 +79,7 @@ BROKEN_EXPORTS = {
     "layer ids shifted past the target": (
         _shift_layer_ids,
         None,
-        r"dflash_config\.target_layer_ids: is \[4, 8\]; it names layers outside the target's 8 decoder layers",
+        r"dflash_config\.target_layer_ids: \[4, 8\] names layers outside the target's 8 decoder layers",
     ),
     "layer ids dropped": (
         _drop("dflash_config", "target_layer_ids"),
@@ -386,13 +172,6 @@ def test_an_untrained_export_is_refused(module_class, sizes, tmp_path):
         validate_export(export, module.target)
 
 
-def test_evaluate_refuses_a_broken_export_before_decoding(trained_exports, tmp_path):
-    module, export = trained_exports["dflash"]
-    broken = rewrite_export(export, tmp_path / "broken", tensor_edit=lambda t: t.pop("fc.weight"))
-    with pytest.raises(ValueError, match="fc.weight: missing"):
-        evaluate_export(broken, random_docs([5], vocab=MASK, seed=3), target=module.target, max_new_tokens=4)
-
-
 # --- the served block is the trained block -----------------------------------------------------------
 
 
@@ -448,66 +227,3 @@ def test_the_served_block_equals_the_training_modules_block(module_class, option
             assert block.tokens.tolist() == trained.argmax(-1).tolist()
     if module_class is DFlash2Module:
         assert overruled > 0, "the selector never overruled the logits: the walk is not exercised"
-
-
-def test_the_training_module_rebuilt_from_the_export_has_the_exported_weights(trained_exports):
-    module, export = trained_exports["dflash2"]
-    rebuilt = load_training_module(export, module.target, BLOCK - 1)
-    assert type(rebuilt) is DFlash2Module and rebuilt.dflash_config() == module.dflash_config()
-    for name, tensor in module.draft.state_dict().items():
-        assert torch.equal(rebuilt.draft.state_dict()[name], tensor), name
-
-
-# --- CLI ----------------------------------------------------------------------------------------------
-
-
-def cli_evaluate(export, tmp_path, capsys, *extra: str) -> tuple[str, dict]:
-    """``lightning-drafts evaluate`` on two prompts, 5 new tokens each: what it printed and its JSON report."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(p.tolist()) for p in random_docs([4, 6], vocab=MASK, seed=50)))
-    out = tmp_path / "report.json"
-    main(
-        ["evaluate", str(export), "--prompts", str(prompts), "--max-new-tokens", "5"]
-        + ["--ignore-eos", "--check-lossless", "--json", str(out), *extra]
-    )
-    return capsys.readouterr().out, json.loads(out.read_text())
-
-
-def qwen3_target_file(tmp_path) -> str:
-    path = tmp_path / "target.json"
-    path.write_text(json.dumps(TINY_TARGETS["qwen3"]))
-    return str(path)
-
-
-def test_cli_evaluate_serves_a_dflash_export_with_an_explicit_target(trained_exports, tmp_path, capsys):
-    _, export = trained_exports["dflash"]
-    printed, report = cli_evaluate(export, tmp_path, capsys, "--target", qwen3_target_file(tmp_path))
-    assert "accept_len" in printed and "tau_sim" in printed and "lossless: yes" in printed
-    assert report["architecture"] == "DFlashDraftModel" and report["generated_tokens"] == 10
-
-
-# --- callback -----------------------------------------------------------------------------------------
-
-
-def test_the_callback_logs_served_acceptance_for_a_dflash2_draft(tmp_path):
-    module = make(DFlash2Module, TINY_TARGETS["qwen3"])
-    trainer = L.Trainer(
-        max_steps=2,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        accelerator="cpu",
-        devices=1,
-        logger=CSVLogger(tmp_path),
-        callbacks=[ServedAcceptanceCallback(num_prompts=2, max_new_tokens=6)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(
-        module,
-        DataLoader(PromptRows(4, vocab=MASK), batch_size=2),
-        DataLoader(PromptRows(2, vocab=MASK), batch_size=2),
-    )
-    logged = trainer.logged_metrics
-    assert "val/accept_len" in logged and "val/served_accept_len" in logged
-    assert 1.0 <= float(logged["val/served_accept_len"]) <= BLOCK

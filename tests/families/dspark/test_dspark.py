@@ -1,6 +1,6 @@
-"""DSparkModule: packed == padded (loss, gradients, statistics), document isolation, the eval mask by
-hand, the Markov and confidence heads, the three-term objective, guards, zero-anchor batches, and a
-few steps in a Lightning Trainer."""
+"""DSparkModule: blocks and the eval mask by hand, the Markov and confidence heads, the three-term
+objective, guards, zero-anchor batches, and a few steps in a Lightning Trainer (packed == padded, document
+isolation, bad batches and anchors, the export round trip: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from tests.block_draft_cases import (
     documents,
     perturb,
     run,
-    to_padded,
     twins,
     with_prompts,
 )
@@ -52,7 +51,7 @@ def fixed_anchors(module: DSparkModule, batch: dict, seed: int = 0) -> torch.Ten
     return module.sample_anchors(batch, generator=torch.Generator().manual_seed(seed))
 
 
-# --- exactness ------------------------------------------------------------------------------------
+# --- blocks ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -64,49 +63,28 @@ def fixed_anchors(module: DSparkModule, batch: dict, seed: int = 0) -> torch.Ten
     ],
     ids=["vanilla", "rnn+uniform+chunked", "gated+embedding-feature"],
 )
-def test_packed_equals_padded_loss_gradients_and_statistics(options):
+def test_one_block_per_anchor_slot_zero_always_supervised_and_holes_cut_blocks(options):
+    # Packed == padded under these options (loss, gradients, statistics) is the conformance suite's.
     module = make(**options)
     perturb(module)
-    packed_batch, padded_batch = twins(ROWS, width=20)
+    packed_batch, _ = twins(ROWS, width=20)
     anchors = fixed_anchors(module, packed_batch)
-    padded_anchors, _ = to_padded(validate_batch(packed_batch), anchors)
-
-    packed_result = run(module, packed_batch, anchors)
-    padded_result = run(module, padded_batch, padded_anchors)
-    assert_same_results(packed_result, padded_result)
-    output = packed_result[0]
+    with torch.no_grad():
+        output = module.compute_loss(packed_batch, anchors=anchors)
     assert output.correct.shape == (int((anchors >= 0).sum()), BLOCK)
-    assert output.valid[:, 0].all() and not output.valid.all()  # slot 0 always supervised; holes cut blocks
-    for name, (num, den) in output.sums.items():
-        other_num, other_den = padded_result[0].sums[name]
-        torch.testing.assert_close(num, other_num, rtol=1e-5, atol=1e-6)
-        assert float(den) == pytest.approx(float(other_den))
+    assert output.valid[:, 0].all() and not output.valid.all()
 
 
-def test_documents_are_isolated():
+def test_a_block_crossing_into_the_next_document_is_cut_at_its_end():
+    # That the next document's tokens then leave the block's outputs unchanged is the conformance suite's.
     module = make()
-    perturb(module)
     before, after = documents([9, 8], seed=5)
     target_doc = documents([12], seed=6)[0]
     batch = with_prompts(packed_row([before, target_doc, after], 40))
     # Middle document = row positions 9..20; the block at 19 crosses into the next document.
-    anchors = torch.tensor([[11, 16, 19]])
-    reference = module.compute_loss(batch, anchors=anchors)
-    assert reference.valid[2].tolist() == [T, F, F, F]
-
-    for other in (0, 2):
-        changed = [before.clone(), target_doc.clone(), after.clone()]
-        changed[other] = torch.flip(changed[other], [0])
-        output = module.compute_loss(with_prompts(packed_row(changed, 40)), anchors=anchors)
-        torch.testing.assert_close(output.loss, reference.loss, rtol=0, atol=1e-6)
-        assert torch.equal(output.correct, reference.correct)
-        for name, value in reference.metrics.items():
-            torch.testing.assert_close(output.metrics[name], value, rtol=0, atol=1e-6)
-
-    changed = [before, torch.flip(target_doc, [0]), after]  # the test can fail: its own document matters
-    assert not torch.allclose(
-        module.compute_loss(with_prompts(packed_row(changed, 40)), anchors=anchors).loss, reference.loss
-    )
+    output = module.compute_loss(batch, anchors=torch.tensor([[11, 16, 19]]))
+    assert output.valid[2].tolist() == [T, F, F, F]
+    assert output.valid[:2].all()
 
 
 # --- the eval mask, by hand -----------------------------------------------------------------------
@@ -379,22 +357,6 @@ def test_rope_inverse_frequencies_stay_fp32_through_dtype_casts():
     assert torch.equal(module.draft.rotary_emb.inv_freq, reference)
 
 
-def test_runs_against_every_tiny_target_family(target_config):
-    module = DSparkModule(
-        target_config,
-        mask_token_id=MASK_TOKEN,
-        num_draft_layers=2,
-        block_size=BLOCK,
-        markov_rank=8,
-        target_layer_ids=[1, 5],
-    )
-    batch, _ = twins(ROWS[:2], width=20)
-    output = module.compute_loss(batch)
-    assert torch.isfinite(output.loss) and output.correct.shape[0] > 0
-    output.loss.backward()
-    assert module.draft.fc.weight.grad.any()
-
-
 # --- guards and edge cases ------------------------------------------------------------------------
 
 
@@ -425,24 +387,6 @@ def test_runs_against_every_tiny_target_family(target_config):
 def test_construction_guards_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make(**kwargs)
-
-
-def test_runtime_guards_raise_value_error():
-    module = make()
-    batch, _ = twins(ROWS, width=20)
-    with pytest.raises(ValueError, match="not a valid anchor"):
-        module.compute_loss(batch, anchors=torch.tensor([[0], [-1], [-1]]))  # a prompt token
-    with pytest.raises(ValueError, match="not a valid anchor"):
-        module.compute_loss(batch, anchors=torch.tensor([[8], [-1], [-1]]))  # a document's last token
-    with pytest.raises(ValueError, match=r"\[B, N\]"):
-        module.compute_loss(batch, anchors=torch.tensor([2, 3]))
-    with pytest.raises(ValueError, match="outside the row"):
-        module.compute_loss(batch, anchors=torch.tensor([[20], [-1], [-1]]))
-    with pytest.raises(ValueError, match="outside the target vocabulary"):
-        module.compute_loss({**batch, "input_ids": batch["input_ids"] + 200})
-    without_positions = {k: v for k, v in batch.items() if k != "position_ids"}
-    with pytest.raises(ValueError, match="seq_lens was given without position_ids"):
-        module.compute_loss(without_positions)
 
 
 def test_vocabulary_guards_raise_value_error():

@@ -1,216 +1,43 @@
-"""Serving-faithful evaluation (issue 9) of DSpark: greedy speculative decoding from the exported files of
-both layouts (one block of K proposals per round, the Markov head walked greedily), the export validator,
-and the served block against the training module's."""
+"""Serving-faithful evaluation of DSpark exports in both layouts: what is DSpark's own. The export
+validator names each defect, an untrained export is refused, and the served block (K proposals per round,
+the Markov head walked greedily) equals the training module's.
+
+(Lossless served decoding and the reload of every family: tests/families/test_conformance.py; a perfect
+draft, a wrong mask token and shorter rounds: tests/serving/test_served_evaluate.py; the CLI and the
+callback: tests/cli/test_evaluate_cli.py, tests/serving/test_served_acceptance_callback.py.)"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
+from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
 
-from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
+from lightning_drafts import DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
-from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dspark.context_features import capture_context_features
 from lightning_drafts.dspark.eval_mask import block_supervision
-from lightning_drafts.dspark.speculate import DSparkSpeculator, load_speculator, load_training_module
-from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.dspark.speculate import DSparkSpeculator, load_speculator
 from lightning_drafts.serving.family import Speculator, VerifiedPrefix
-from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import validate_export
-from tests.block_draft_cases import perturb
-from tests.builders import TINY_TARGETS, VOCAB, PromptRows, assert_target_greedy, random_docs, rewrite_export
-from tests.families.dflash.test_evaluate_dflash import (
-    EOS,
-    LAST_LAYER,
-    MASK,
-    cli_evaluate,
-    one_thread,  # noqa: F401  (the autouse fixture: one thread for hundreds of tiny forwards)
-    qwen3_target_file,
-    repeated_prompts,
-    repeating_target,
-    sharpened_target,
-    training_batch,
-)
-from tests.families.dflash.test_evaluate_dflash import trained_module as dflash_trained_module
+from tests.block_draft_cases import BLOCK, perturb
+from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
+from tests.families.dflash.cases import EOS, LAST_LAYER, MASK, sharpened_target
+from tests.families.dspark.cases import LAYOUTS, make, trained_module
 
-BLOCK = 4
-RANK = 8
-MAX_ACCEPT = BLOCK + 1  # slot k proposes anchor + k + 1: K proposals, plus the target's bonus token
-LAYOUTS = ["specforge", "nemo"]
-# The last id is the target's final-norm output, so shifting the ids by one leaves the target.
-TRAINED_LAYERS = [3, LAST_LAYER]
-
-pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* standard SGLang captures")
-
-
-# --- builders -----------------------------------------------------------------------------------------
-
-
-def make(target, **kwargs) -> DSparkModule:
-    torch.manual_seed(0)
-    return DSparkModule(
-        target,
-        mask_token_id=MASK,
-        num_draft_layers=kwargs.pop("num_draft_layers", 2),
-        block_size=BLOCK,
-        num_anchors=4,
-        markov_rank=kwargs.pop("markov_rank", RANK),
-        target_layer_ids=kwargs.pop("target_layer_ids", TRAINED_LAYERS),
-        draft_attn_backend="sdpa",
-        target_attn_backend="sdpa",
-        **kwargs,
-    )
-
-
-def trained_module(steps: int = 4, target=None) -> DSparkModule:
-    """A draft trained a few optimizer steps on a fixed batch (export, not quality, is under test)."""
-    module = make(sharpened_target() if target is None else target)
-    batch = training_batch()
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        module.compute_loss(batch).loss.backward()
-        optimizer.step()
-    return module
-
-
-def perfect_module() -> DSparkModule:
-    """A one-layer DSpark draft whose every slot, Markov head included, predicts what the target predicts.
-
-    Construction (target: ``repeating_target`` of the DFlash tests, whose greedy output repeats its last
-    token and whose mask-token embedding row is zero; prompts: one token ``a`` repeated, so every context
-    position carries the same target features and the continuation is ``a a a ...``):
-
-    * ``fc`` selects the chunk of feature ``L - 1``, the target's **final-norm output**, which the
-      target's LM head turns into ``a``; ``v_proj`` / ``o_proj`` are the identity (4 KV heads);
-    * ``k_norm`` is zero, so attention is uniform: every slot averages the context values (along
-      ``hidden_norm(final_norm(a))``), the anchor slot's value (along ``a``'s embedding row) and the mask
-      slots' values (zero: the mask token's embedding row is zero); the anchor slot also keeps its own
-      embedding in the residual stream; ``post_attention_layernorm`` is zero, so the MLP adds nothing;
-    * so every slot's backbone logits (through the target's LM head, a row-normalised embedding) peak
-      at ``a``; the Markov head is a "repeat the previous token" bigram, ``W1 = W2 = U`` with unit rows
-      ``U``, whose bias ``U U[prev]`` peaks at ``prev``; the walk's previous token is ``a`` at every slot;
-    * the confidence head's bias is moved off its 0 initialisation (a confident draft).
-
-    A draft served with the right mask token therefore proposes ``a`` at all K slots and reaches K + 1.
-    """
-    target = repeating_target()
-    module = make(target, num_draft_layers=1, draft_overrides={"num_key_value_heads": 4})
-    draft, hidden = module.draft, module.draft.fc.weight.shape[0]
-    layer = draft.layers[0]
-    generator = torch.Generator().manual_seed(3)
-    unit_rows = torch.nn.functional.normalize(torch.randn(VOCAB, RANK, generator=generator), dim=-1)
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, hidden:] = torch.eye(hidden)
-        layer.self_attn.k_norm.weight.zero_()
-        layer.self_attn.v_proj.weight.copy_(torch.eye(hidden))
-        layer.self_attn.o_proj.weight.copy_(torch.eye(hidden))
-        layer.post_attention_layernorm.weight.zero_()
-        draft.norm.weight.copy_(target.model.norm.weight)
-        draft.markov_head.markov_w1.weight.copy_(unit_rows)
-        draft.markov_head.markov_w2.weight.copy_(unit_rows)
-        draft.confidence_head.proj.bias.fill_(3.0)
-    return module
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:target_layer_ids .* standard SGLang captures"),
+]
 
 
 @pytest.fixture(scope="module")
-def trained_exports(tmp_path_factory) -> dict[str, tuple[DSparkModule, object]]:
+def trained_exports(tmp_path_factory) -> dict[str, tuple[DSparkModule, Path]]:
     module = trained_module()
     root = tmp_path_factory.mktemp("dspark")
     return {layout: (module, module.export(root / layout, layout=layout)) for layout in LAYOUTS}
-
-
-# --- served decoding ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side(
-    layout, trained_exports, tmp_path
-):
-    module, export = trained_exports[layout]
-    prompts = random_docs([5, 8, 11], vocab=MASK, seed=21)
-    report = evaluate_export(
-        export, prompts, target=module.target, max_new_tokens=12, stop_token_ids=(), check_lossless=True
-    )
-
-    assert report.lossless is True
-    assert_target_greedy(module.target, prompts, report.generations, 12)
-    assert report.architecture == {"specforge": "DSparkDraftModel", "nemo": "Qwen3DSparkModel"}[layout]
-    assert report.num_steps == BLOCK and report.rounds >= 3 and report.generated_tokens == 3 * 12
-    assert 1.0 <= report.served.accept_len <= MAX_ACCEPT
-    assert report.training is not None and 1.0 <= report.training.accept_len <= MAX_ACCEPT
-    assert len(report.served.prefix_rate) == len(report.training.prefix_rate) == BLOCK
-    assert report.export.target_layer_ids == tuple(TRAINED_LAYERS)
-    details = report.export.details
-    assert details["mask_token_id"] == MASK and details["block_size"] == BLOCK and details["layout"] == layout
-    assert details["markov_rank"] == RANK and details["sglang_capturable_layer_ids"] is False
-    table = report.format_table()
-    assert "served" in table and "tau_sim" in table and "accept_len" in table
-    payload = json.loads(report.write_json(tmp_path / "report.json").read_text())
-    assert payload["served"]["accept_len"] == report.served.accept_len
-    assert payload["training"]["accept_len"] == report.training.accept_len
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_perfect_draft_reaches_the_maximum_acceptance_length(layout, tmp_path):
-    """See :func:`perfect_module`: the draft carries the target's own final-norm features to every slot."""
-    module = perfect_module()
-    prompts = repeated_prompts()
-    for prompt in prompts:
-        assert greedy_generate(module.target, prompt, 6) == [int(prompt[-1])] * 6, "the target must repeat"
-    export = module.export(tmp_path / "draft", layout=layout)
-    report = evaluate_export(export, prompts, target=module.target, max_new_tokens=16, stop_token_ids=())
-
-    assert report.served.accept_len == MAX_ACCEPT
-    assert report.served.prefix_rate == [1.0] * BLOCK
-    assert report.served.position_accuracy == [1.0] * BLOCK
-    assert report.training.accept_len == pytest.approx(MAX_ACCEPT)
-    assert report.generations == [[int(p[-1])] * 16 for p in prompts]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_wrong_mask_token_id_collapses_served_acceptance(layout, tmp_path):
-    """Another in-vocabulary id is a valid config the validator cannot tell from the trained one; served
-    decoding shows it. Slots 1..K-1 now carry a real token's embedding and fail; slot 0 holds the anchor,
-    not the mask, so it still proposes right: acceptance falls from K + 1 to 2."""
-    module = perfect_module()
-    export = module.export(tmp_path / "draft", layout=layout)
-
-    def wrong_mask(config: dict) -> None:
-        (config["dflash_config"] if layout == "specforge" else config)["mask_token_id"] = 7
-
-    broken = rewrite_export(export, tmp_path / "broken", config_edit=wrong_mask)
-    validate_export(broken, module.target)
-    prompts = repeated_prompts()
-    good = evaluate_export(
-        export, prompts, target=module.target, max_new_tokens=8, with_training_estimate=False
-    )
-    bad = evaluate_export(
-        broken, prompts, target=module.target, max_new_tokens=8, with_training_estimate=False
-    )
-    assert good.served.accept_len == MAX_ACCEPT
-    assert bad.served.accept_len == 2.0 and bad.served.prefix_rate[1] == 0.0
-    assert bad.generations == good.generations  # still lossless: the target corrects every token
-
-
-def test_num_steps_shorter_than_the_block_cuts_proposals_and_the_estimate(tmp_path):
-    module = perfect_module()
-    export = module.export(tmp_path / "draft")
-    report = evaluate_export(
-        export, repeated_prompts(), target=module.target, max_new_tokens=10, num_steps=2, stop_token_ids=()
-    )
-    assert report.served.accept_len == 3 and len(report.training.prefix_rate) == 2
-    assert report.training.accept_len == pytest.approx(3)
-    with pytest.raises(ValueError, match="num_steps = 5 must be in"):
-        evaluate_export(export, repeated_prompts(), target=module.target, num_steps=BLOCK + 1)
 
 
 # --- the validator ------------------------------------------------------------------------------------
@@ -246,7 +73,7 @@ BROKEN_EXPORTS = {
     "layer ids shifted past the target": (
         _shift_layer_ids,
         None,
-        r"{ids}target_layer_ids: is \[4, 8\]; it names features outside the target's 8 decoder layers",
+        r"{ids}target_layer_ids: \[4, 8\] names features outside the target's 8 decoder layers",
     ),
     "layer ids out of order": (_edit(target_layer_ids=[7, 3]), None, r"must be strictly increasing"),
     "layer id below the embedding": (_edit(target_layer_ids=[-2, 3]), None, r"names features outside"),
@@ -372,15 +199,6 @@ def test_an_untrained_export_is_refused(layout, tmp_path):
     assert "confidence_head.proj.bias: is still exactly 0" in str(error.value)
 
 
-def test_evaluate_refuses_a_broken_export_before_decoding(trained_exports, tmp_path):
-    module, export = trained_exports["specforge"]
-    broken = rewrite_export(
-        export, tmp_path / "broken", tensor_edit=lambda t: t.pop("markov_head.markov_w2.weight")
-    )
-    with pytest.raises(ValueError, match="markov_head.markov_w2.weight: missing"):
-        evaluate_export(broken, random_docs([5], vocab=MASK, seed=3), target=module.target, max_new_tokens=4)
-
-
 # --- the served block is the trained block -----------------------------------------------------------
 
 
@@ -452,64 +270,3 @@ def test_the_served_block_equals_the_training_modules_block(layout, options, tmp
         overruled += int((block.tokens != backbone).sum())
     if head is not None:
         assert overruled > 0, "the Markov head never overruled the backbone: the walk is not exercised"
-
-
-def test_the_training_module_rebuilt_from_the_export_has_the_exported_weights(trained_exports):
-    module, export = trained_exports["nemo"]
-    rebuilt = load_training_module(export, module.target, BLOCK)
-    assert type(rebuilt) is DSparkModule and rebuilt.dspark_config() == module.dspark_config()
-    for name, tensor in module.draft.state_dict().items():
-        assert torch.equal(rebuilt.draft.state_dict()[name], tensor), name
-
-
-# --- CLI and callback ---------------------------------------------------------------------------------
-
-
-def test_cli_evaluate_serves_a_dspark_export_with_an_explicit_target(trained_exports, tmp_path, capsys):
-    _, export = trained_exports["specforge"]
-    printed, report = cli_evaluate(export, tmp_path, capsys, "--target", qwen3_target_file(tmp_path))
-    assert "accept_len" in printed and "tau_sim" in printed and "lossless: yes" in printed
-    assert report["architecture"] == "DSparkDraftModel" and report["generated_tokens"] == 10
-
-
-@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
-def test_cli_evaluate_rebuilds_the_target_the_export_records(family, tmp_path, capsys):
-    target = TINY_TARGETS["qwen3"]
-    if family == "dspark":
-        module = trained_module(steps=1, target=target)
-    else:
-        module = dflash_trained_module(DFlash2Module if family == "dflash2" else DFlashModule, target=target)
-    export = module.export(tmp_path / "draft")
-    record = json.loads((export / "config.json").read_text())["lightning_drafts"]
-    assert record["target"] == target and record["target_seed"] == 0
-
-    printed, report = cli_evaluate(export, tmp_path, capsys)  # no --target: the recorded one
-    assert "lossless: yes" in printed and report["generated_tokens"] == 10
-
-
-@pytest.mark.parametrize(
-    "options", [{}, {"markov_head_type": "gated"}], ids=["specforge-layout", "gated-head-nemo-layout"]
-)
-def test_the_callback_logs_served_acceptance_for_a_dspark_draft(options, tmp_path):
-    # A draft SGLang's DSparkDraftModel cannot serve (gated head) is evaluated from NeMo's layout.
-    module = make(TINY_TARGETS["qwen3"], **options)
-    trainer = L.Trainer(
-        max_steps=2,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        accelerator="cpu",
-        devices=1,
-        logger=CSVLogger(tmp_path),
-        callbacks=[ServedAcceptanceCallback(num_prompts=2, max_new_tokens=6)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(
-        module,
-        DataLoader(PromptRows(4, vocab=MASK), batch_size=2),
-        DataLoader(PromptRows(2, vocab=MASK), batch_size=2),
-    )
-    logged = trainer.logged_metrics
-    assert "val/accept_len" in logged and "val/served_accept_len" in logged
-    assert 1.0 <= float(logged["val/served_accept_len"]) <= MAX_ACCEPT

@@ -1,0 +1,127 @@
+"""`lightning-drafts evaluate`: every family's export served from the CLI, with the target the export
+records or one given as a JSON file; prompts from the data module's held-out split; the data options the
+command keeps from a training config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_drafts import Eagle3Module
+from lightning_drafts.cli.main import main
+from tests.builders import TINY_TARGETS, random_docs
+from tests.families.cases import CASES, FAMILIES
+from tests.families.eagle3.cases import STEPS
+from tests.families.family_case import FamilyCase
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:target_layer_ids .* standard SGLang captures"),
+]
+MODULES = [pytest.param(family, CASES[cls], id=cls.__name__) for family in FAMILIES for cls in family.modules]
+
+
+@pytest.mark.parametrize(("family", "case"), MODULES, indirect=["family"])
+def test_cli_evaluate_serves_an_export_with_the_target_it_records_or_one_given(
+    family, case: FamilyCase, tmp_path, capsys
+):
+    kind = case.targets[0]
+    export = family.export(case.build(TINY_TARGETS[kind]), tmp_path / "draft")
+    config = json.loads((export / "config.json").read_text())
+    record = config["lightning_drafts"]
+    assert record["target"] == TINY_TARGETS[kind] and record["target_seed"] == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps(p.tolist()) for p in random_docs([4, 6, 5], vocab=case.vocab, seed=50))
+    )
+    target_file = tmp_path / "target.json"
+    target_file.write_text(json.dumps(TINY_TARGETS[kind]))
+
+    for extra in ([], ["--target", str(target_file)]):
+        out = tmp_path / f"report{len(extra)}.json"
+        main(
+            [
+                "evaluate",
+                str(export),
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "5",
+            ]
+            + ["--ignore-eos", "--check-lossless", "--json", str(out), *extra]
+        )
+        printed = capsys.readouterr().out
+        assert "accept_len" in printed and "tau_sim" in printed and "lossless: yes" in printed
+        report = json.loads(out.read_text())
+        assert report["architecture"] == config["architectures"][0]
+        assert report["num_prompts"] == 2 and report["generated_tokens"] == 10 and report["lossless"] is True
+        assert report["served"]["accept_len"] >= 1.0 and report["training"]["accept_len"] >= 1.0
+
+
+def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys):
+    from lightning_drafts.datamodules import load_embedded_tokenizer
+
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+        }
+        for i in range(6)
+    ]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(row) for row in chats))
+    target = {**TINY_TARGETS["llama"], "vocab_size": 32000}  # the embedded tokenizer's vocabulary
+    torch.manual_seed(0)
+    counts = torch.randint(1, 50, (32000,), generator=torch.Generator().manual_seed(0))
+    module = Eagle3Module(target, ttt_length=STEPS, draft_vocab_size=64, token_frequencies=counts)
+    with torch.no_grad():
+        module.draft.lm_head.weight.mul_(1.5)
+    export = module.export(tmp_path / "draft")
+    out = tmp_path / "report.json"
+    main(
+        ["evaluate", str(export), "--data-files", str(tmp_path / "chats.jsonl"), "--val-fraction", "0.5"]
+        + ["--cache-dir", str(tmp_path / "cache"), "--num-prompts", "2", "--max-new-tokens", "3"]
+        + ["--ignore-eos", "--no-training-estimate", "--json", str(out)]
+    )
+    assert "served" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 2 and report["training"] is None
+    tokenizer = load_embedded_tokenizer()
+    for prompt in report["prompts"]:
+        text = tokenizer.decode(prompt)
+        # The prompt is the rendered user turn, cut right before the assistant's answer.
+        assert "question" in text and "answer" not in text, text
+
+
+def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_out_split(monkeypatch):
+    import argparse
+
+    import lightning_drafts.datamodules as datamodules
+    from lightning_drafts.cli import evaluate as evaluate_cli
+
+    made = []
+    monkeypatch.setattr(datamodules, "PackedChatDataModule", lambda **kwargs: made.append(kwargs))
+    config = {"data": {"init_args": {"tokenizer": "tok", "chat_template": "{{ x }}", "val_fraction": 0.1}}}
+    new_files = argparse.Namespace(
+        data_files=["chats.jsonl"], tokenizer=None, val_fraction=0.05, cache_dir=None
+    )
+    evaluate_cli._datamodule(config, new_files)
+    assert made[-1] == {
+        "data_files": ["chats.jsonl"],
+        "tokenizer": "tok",
+        "chat_template": "{{ x }}",
+        "val_fraction": 0.05,
+    }
+
+    no_split = {"data": {"init_args": {"max_tokens": 256}}}
+    from_config = argparse.Namespace(data_files=None, tokenizer=None, val_fraction=0.05, cache_dir=None)
+    with pytest.warns(
+        UserWarning, match="no validation split: prompts come from .* documents the draft trained on"
+    ):
+        evaluate_cli._datamodule(no_split, from_config)
+    assert made[-1]["val_fraction"] == evaluate_cli.DEFAULT_VAL_FRACTION
