@@ -79,7 +79,7 @@ BROKEN_EXPORTS = {
     "layer ids shifted past the target": (
         _shift_layer_ids,
         None,
-        r"dflash_config\.target_layer_ids: \[4, 8\] names layers outside the target's 8 decoder layers",
+        r"dflash_config\.target_layer_ids: is \[4, 8\]; it names layers outside the target's 8 decoder layers",
     ),
     "layer ids dropped": (
         _drop("dflash_config", "target_layer_ids"),

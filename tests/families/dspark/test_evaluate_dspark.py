@@ -73,7 +73,7 @@ BROKEN_EXPORTS = {
     "layer ids shifted past the target": (
         _shift_layer_ids,
         None,
-        r"{ids}target_layer_ids: \[4, 8\] names features outside the target's 8 decoder layers",
+        r"{ids}target_layer_ids: is \[4, 8\]; it names features outside the target's 8 decoder layers",
     ),
     "layer ids out of order": (_edit(target_layer_ids=[7, 3]), None, r"must be strictly increasing"),
     "layer id below the embedding": (_edit(target_layer_ids=[-2, 3]), None, r"names features outside"),
