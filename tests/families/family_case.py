@@ -106,7 +106,6 @@ class FamilyCase:
         details: what ``validate_export(...).details`` must hold for the trained export.
         required_tensor: a tensor every export of it holds (dropping it must stop serving before decoding).
         loss / grads / metrics: packed == padded tolerances.
-        isolation_atol: how far an unperturbed document's outputs may move when another one changes.
     """
 
     module_class: type[DraftModule]
@@ -127,7 +126,6 @@ class FamilyCase:
     loss: Tolerance = Tolerance(rtol=1e-6, atol=1e-7)
     grads: Tolerance = Tolerance(rtol=1e-5, scaled_atol=1e-5)
     metrics: Tolerance = Tolerance(rtol=1e-5, atol=1e-6)
-    isolation_atol: float = 0.0
 
     @property
     def name(self) -> str:
