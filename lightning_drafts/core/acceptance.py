@@ -67,6 +67,12 @@ class AcceptanceStats(Metric):
             self.add_state(name, default=torch.zeros(positions, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("valid_tokens", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
+    def reset(self) -> None:
+        # A validation reset runs under inference mode, whose fresh states a later fit (no_grad) could not
+        # update in place: trainer.validate(...) then trainer.fit(...) would fail at fit's validation.
+        with torch.inference_mode(False):
+            super().reset()
+
     def update(self, correct: Tensor, valid: Tensor, valid_tokens: Tensor | int | None = None) -> None:
         if correct.shape[1] != self.positions:
             raise ValueError(
