@@ -410,3 +410,22 @@ def test_accept_len_skip_holes_is_logged_as_an_exact_ratio_of_sums(cls):
     assert abs(float(expected) - float(per_batch_mean)) > 1e-3  # the two reductions tell apart
     assert logged["val/accept_len_skip_holes"] == pytest.approx(float(expected), rel=1e-6)
     assert logged["val/accept_len_skip_holes"] != pytest.approx(logged["val/accept_len"])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_blocks_of_one_document_ignore_the_others_under_every_objective(loss_type):
+    module = make(loss_type=loss_type)
+    before, middle, after = documents([9, 12, 8], seed=5)
+
+    def loss(docs):
+        batch = stack_rows([packed_row(docs, 32)])
+        return module.compute_loss(
+            supervise(batch, batch["position_ids"]), anchors=torch.tensor([[11, 13, 16]])
+        )
+
+    reference = loss([before, middle, after]).loss  # anchors only in the middle document (9..20)
+    for other in (0, 2):
+        changed = [before, middle, after]
+        changed[other] = torch.flip(changed[other], [0])
+        torch.testing.assert_close(loss(changed).loss, reference, rtol=0, atol=1e-6)
+    assert not torch.allclose(loss([before, torch.flip(middle, [0]), after]).loss, reference)

@@ -3,7 +3,7 @@
 One micro-batch: the frozen target captures ``target_layer_ids`` over every row (documents isolated)
 -> anchors (per document, whole blocks inside their document) -> all blocks of the micro-batch laid
 out back to back over the real tokens -> one document-aware block mask shared by every layer -> the
-draft fills each block -> block targets and the decay-weighted loss. Packed and padded batches take
+draft fills each block -> block targets and the ``loss_type`` objective. Packed and padded batches take
 the same path and, given the same anchors, give the same loss, gradients and acceptance statistics.
 """
 

@@ -149,13 +149,13 @@ def document_block_scale(packed: PackedBatch, layout: BlockLayout, valid: Tensor
     """Per block ``1 / A_doc`` (0 for a block without a supervised position) and the number of documents
     with ``A_doc > 0``.
 
-    A document is keyed by its row and start, which is what it is in either layout: the count never
-    mixes the documents that happen to share a row.
+    A document is keyed by its row and start, which names it in any layout, so documents that share a
+    row are counted apart.
     """
     supervised = valid.any(dim=-1).float()
     document = layout.rows * layout.width + packed.doc_start[layout.rows, layout.anchors]
-    _, index = torch.unique(document, return_inverse=True)
-    counts = torch.zeros(int(index.max()) + 1 if index.numel() else 0, device=valid.device)
+    keys, index = torch.unique(document, return_inverse=True)
+    counts = torch.zeros(keys.numel(), device=valid.device)
     counts.scatter_add_(0, index, supervised)
     return supervised / counts[index].clamp(min=1.0), (counts > 0).sum()
 
