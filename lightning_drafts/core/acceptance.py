@@ -26,6 +26,25 @@ def prefix_counts(correct: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     return hits, chain_valid
 
 
+def skip_holes_accept_sums(correct: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """NeMo's DFlash / DFlash2 block acceptance (``compute_accept_len``, dflash.md §4.5) as the exact sums
+    ``(sum over chains with a valid position of 1 + accepted, number of such chains)``.
+
+    ``accepted = sum_k valid_k prod_{j<=k} (correct_j or not valid_j)``: an unsupervised position inside a
+    chain is skipped and counting goes on after it, and a chain whose first position is unsupervised
+    still counts. :func:`prefix_counts` stops a chain at its first unsupervised position instead, so
+    the two agree exactly when every chain's valid positions form a prefix.
+    """
+    if correct.shape != valid.shape or correct.dim() != 2:
+        raise ValueError(
+            f"correct and valid must both be [M, K], got {tuple(correct.shape)} and {tuple(valid.shape)}"
+        )
+    running = ((correct & valid) | ~valid).long().cumprod(dim=1)
+    accepted = (running * valid.long()).sum(dim=1)
+    counted = valid.any(dim=1)
+    return ((accepted + 1) * counted.long()).sum().double(), counted.sum().double()
+
+
 def acceptance_length(hits: Tensor, chain_valid: Tensor) -> Tensor:
     """``1 + sum over k with chain_valid[k] > 0 of hits[k] / chain_valid[k]`` (1.0 when nothing is valid)."""
     ratio = hits.double() / chain_valid.double().clamp(min=1)
@@ -47,6 +66,12 @@ class AcceptanceStats(Metric):
         for name in ("hits", "chain_valid", "position_correct", "position_valid"):
             self.add_state(name, default=torch.zeros(positions, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("valid_tokens", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def reset(self) -> None:
+        # A validation reset runs under inference mode, whose fresh states a later fit (no_grad) could not
+        # update in place: trainer.validate(...) then trainer.fit(...) would fail at fit's validation.
+        with torch.inference_mode(False):
+            super().reset()
 
     def update(self, correct: Tensor, valid: Tensor, valid_tokens: Tensor | int | None = None) -> None:
         if correct.shape[1] != self.positions:

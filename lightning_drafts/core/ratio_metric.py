@@ -32,6 +32,12 @@ class RatioSum(Metric):
         self.add_state("numerator", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("denominator", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
+    def reset(self) -> None:
+        # A validation reset runs under inference mode, whose fresh states a later fit (no_grad) could not
+        # update in place: trainer.validate(...) then trainer.fit(...) would fail at fit's validation.
+        with torch.inference_mode(False):
+            super().reset()
+
     def update(self, numerator: Tensor, denominator: Tensor) -> None:
         self.numerator += numerator.detach().double()
         self.denominator += denominator.detach().double()

@@ -3,7 +3,7 @@
 One micro-batch: the frozen target captures ``target_layer_ids`` over every row (documents isolated)
 -> anchors (per document, whole blocks inside their document) -> all blocks of the micro-batch laid
 out back to back over the real tokens -> one document-aware block mask shared by every layer -> the
-draft fills each block -> block targets and the decay-weighted loss. Packed and padded batches take
+draft fills each block -> block targets and the ``loss_type`` objective. Packed and padded batches take
 the same path and, given the same anchors, give the same loss, gradients and acceptance statistics.
 """
 
@@ -35,9 +35,8 @@ from lightning_drafts.blockdraft.objective import (
     check_prefix_lengths,
     decay_weights,
     sample_prefix_lengths,
-    weighted_nll_sum,
 )
-from lightning_drafts.core.acceptance import acceptance_length, prefix_counts
+from lightning_drafts.core.acceptance import acceptance_length, prefix_counts, skip_holes_accept_sums
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.checks import check_int
 from lightning_drafts.core.chunked_terms import over_chunks
@@ -45,6 +44,7 @@ from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import ratio
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.export import export_draft
+from lightning_drafts.dflash.objectives import BlockObjective
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.dflash.reload import load_into_module
 from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_TOP_K, TARGET_LAYER_IDS
@@ -72,6 +72,13 @@ class DFlashModule(DraftModule):
         sliding_window: optional context window of every draft layer (in-block attention is untouched).
         variable_prefix: the D2SD variable-prefix objective (random known prefix per block).
         prefix_weight_base: ``P(prefix = l) ∝ base ** l`` under ``variable_prefix``.
+        loss_type: the objective (:mod:`lightning_drafts.dflash.objectives`): ``"dflash"`` (decay-weighted
+            cross-entropy), D-PACE ``"dpace"`` / ``"dpace-cumulative-confidence-only"`` /
+            ``"dpace-continuation-value-only"`` (replace the decay with detached acceptance weights), or
+            LK ``"lk-alpha"`` / ``"lk-tv"`` / ``"lk-lambda"`` (decay-weighted).
+        dpace_alpha: D-PACE's confidence smoothing ``s = (1 - a) p + a``, in [0, 1] (0.5).
+        kl_scale, kl_decay: ``lk-lambda``'s CE weight ``kl_scale * exp(-kl_decay * mean acceptance)``;
+            ``kl_scale`` in [0, 1] (1.0), ``kl_decay`` >= 0 (1.0).
         draft_attn_backend: ``"auto"`` (flex on CUDA, else SDPA), ``"sdpa"``, ``"eager"`` or ``"flex"``.
         draft_overrides: optional draft ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` /
             ``intermediate_size`` (the hidden size always equals the target's).
@@ -97,6 +104,10 @@ class DFlashModule(DraftModule):
         sliding_window: int | None = None,
         variable_prefix: bool = False,
         prefix_weight_base: float = 0.9,
+        loss_type: str = "dflash",
+        dpace_alpha: float = 0.5,
+        kl_scale: float = 1.0,
+        kl_decay: float = 1.0,
         draft_attn_backend: str = "auto",
         draft_overrides: dict[str, int] | None = None,
         draft_seed: int = 0,
@@ -105,6 +116,8 @@ class DFlashModule(DraftModule):
         warmup_ratio: float = 0.04,
         **base_kwargs: Any,
     ) -> None:
+        # Before the target loads: a misspelt objective should not cost a model download.
+        self.objective = BlockObjective(loss_type, dpace_alpha, kl_scale, kl_decay)
         # In the signature, not set by default inside: the CLI reads defaults from signatures and would
         # otherwise pass the base class's.
         super().__init__(target=target, learning_rate=learning_rate, warmup_ratio=warmup_ratio, **base_kwargs)
@@ -220,18 +233,27 @@ class DFlashModule(DraftModule):
     def _objective(
         self, packed: PackedBatch, layout: BlockLayout, hidden: Tensor, targets: BlockTargets
     ) -> DraftOutput:
-        weights = self._weights(targets)
-        nll_sum, predicted = self._over_chunks(
-            self._chunk_terms, chain_hidden(hidden, targets), targets.labels, weights
+        base, denominator = self._base_weights(packed, layout, targets)
+        *sums, gold_sum, predicted = self._over_chunks(
+            self._chunk_terms,
+            chain_hidden(hidden, targets),
+            targets.labels,
+            targets.valid,
+            base,
+            differentiable=self.objective.num_terms,
         )
-        loss = nll_sum / (weights.sum() + LOSS_EPS)
+        correct = (predicted == targets.labels) & targets.valid
         return DraftOutput(
-            loss=loss, correct=(predicted == targets.labels) & targets.valid, valid=targets.valid
+            loss=self.objective.loss(tuple(sums), gold_sum, targets.valid.sum(), denominator),
+            correct=correct,
+            valid=targets.valid,
+            sums={"accept_len_skip_holes": skip_holes_accept_sums(correct, targets.valid)},
         )
 
-    def _chunk_terms(self, states: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    def _chunk_terms(self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor) -> tuple[Tensor, ...]:
         logits = self._logits(states)
-        return weighted_nll_sum(logits, labels, weights), logits.argmax(-1)
+        terms = self.objective.chunk_terms(logits, labels, valid, base)
+        return (*terms.sums, terms.gold_probability_sum, logits.argmax(-1))
 
     def _over_chunks(
         self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor, differentiable: int = 1
@@ -246,9 +268,12 @@ class DFlashModule(DraftModule):
         """The trainable weights the vocabulary terms read: none (the target's LM head is frozen)."""
         return []
 
-    def _weights(self, targets: BlockTargets) -> Tensor:
+    def _base_weights(
+        self, packed: PackedBatch, layout: BlockLayout, targets: BlockTargets
+    ) -> tuple[Tensor, Tensor]:
+        """The objective's logit-free weights ``[M, D]`` and its loss denominator."""
         decay = decay_weights(targets.labels.shape[1], self.loss_decay_gamma, targets.labels.device)
-        return decay * targets.valid
+        return self.objective.base_weights(packed, layout, targets.valid, decay)
 
     def _empty_output(self, short: Tensor) -> DraftOutput:
         """No anchor anywhere: a zero loss still connected to every trainable parameter, so each rank
@@ -267,7 +292,7 @@ class DFlashModule(DraftModule):
 
     def _ratio_names(self) -> tuple[str, ...]:
         """The metrics logged as exact ratios of sums (``DraftOutput.sums``)."""
-        return ()
+        return ("accept_len_skip_holes",)
 
     # --- serving export ----------------------------------------------------------------------------
 
@@ -297,7 +322,8 @@ class DFlash2Module(DFlashModule):
     ``selector_rank`` (256), ``selector_top_k`` (16, at most the vocabulary), ``selector_loss_weight``
     (λ, 1.0, >= 0). ``variable_prefix`` is not supported. ``correct`` is the selector's teacher-forced
     pick; ``metrics`` add ``candidate_recall``, ``greedy_accept_len`` (the real greedy selector walk),
-    ``base_accept_len`` (backbone argmax), ``base_loss`` and ``selector_loss``.
+    ``base_accept_len`` (backbone argmax), ``base_loss`` (the ``loss_type`` objective) and
+    ``selector_loss`` (weighted by the objective's per-position weights, over their own sum).
     """
 
     architecture = "DFlash2DraftModel"
@@ -333,7 +359,7 @@ class DFlash2Module(DFlashModule):
         return DFlash2Draft(config, len(self.target_layer_ids), kernel, group, self._selector_rank)
 
     def _ratio_names(self) -> tuple[str, ...]:
-        return ("candidate_recall",)
+        return (*super()._ratio_names(), "candidate_recall")
 
     def _metric_names(self) -> tuple[str, ...]:
         return (
@@ -347,20 +373,25 @@ class DFlash2Module(DFlashModule):
     def _objective(
         self, packed: PackedBatch, layout: BlockLayout, hidden: Tensor, targets: BlockTargets
     ) -> DraftOutput:
-        weights = self._weights(targets)
+        base, denominator = self._base_weights(packed, layout, targets)
         # Teacher forcing: chain j follows the gold token at anchor + j (the anchor itself for j = 0).
         predecessors = packed.input_ids[layout.rows[:, None], layout.block_row_positions()[:, :-1]]
-        nll_sum, selector_sum, predicted, selector_weight, covered, picks, walk = self._over_chunks(
+        terms = self.objective.num_terms
+        outputs = self._over_chunks(
             self._chunk_terms,
             chain_hidden(hidden, targets),
             targets.labels,
-            weights,
+            targets.valid,
+            base,
             predecessors,
-            differentiable=2,
+            differentiable=terms + 1,
         )
-        base_loss = nll_sum / (weights.sum() + LOSS_EPS)
-        selector_loss = selector_sum / (selector_weight + LOSS_EPS)
+        sums = tuple(outputs[:terms])
+        selector_sum, gold_sum, predicted, selector_weight, covered, picks, walk = outputs[terms:]
         labels, valid = targets.labels, targets.valid
+        base_loss = self.objective.loss(sums, gold_sum, valid.sum(), denominator)
+        selector_loss = selector_sum / (selector_weight + LOSS_EPS)
+        correct = (picks == labels) & valid
         recall = ((covered & valid).sum().float(), valid.sum().float())
         metrics = {
             "candidate_recall": ratio(*recall),
@@ -371,25 +402,33 @@ class DFlash2Module(DFlashModule):
         }
         return DraftOutput(
             loss=base_loss + self.selector_loss_weight * selector_loss,
-            correct=(picks == labels) & valid,
+            correct=correct,
             valid=valid,
             metrics={k: v.float() for k, v in metrics.items()},
-            sums={"candidate_recall": recall},
+            sums={
+                "candidate_recall": recall,
+                "accept_len_skip_holes": skip_holes_accept_sums(correct, valid),
+            },
         )
 
     def _chunk_terms(
-        self, states: Tensor, labels: Tensor, weights: Tensor, predecessors: Tensor
+        self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor, predecessors: Tensor
     ) -> tuple[Tensor, ...]:
         logits = self._logits(states)
+        terms = self.objective.chunk_terms(logits, labels, valid, base)
         selector = self.draft.candidate_selector
         unary, candidates = self._candidate_logits(states, logits)
         scores = selector.scores(states, unary, candidates, predecessors)
-        selector_sum, selector_weight, covered = selector_cross_entropy(scores, candidates, labels, weights)
+        # The selector follows the objective's weights (D-PACE's included), normalised by their own sum.
+        selector_sum, selector_weight, covered = selector_cross_entropy(
+            scores, candidates, labels, terms.weights
+        )
         picks = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         walk = selector.greedy_walk(states.detach(), unary.detach(), candidates, predecessors[:, 0])
         return (
-            weighted_nll_sum(logits, labels, weights),
+            *terms.sums,
             selector_sum,
+            terms.gold_probability_sum,
             logits.argmax(-1),
             selector_weight.detach(),
             covered,

@@ -61,7 +61,7 @@ def selector_cross_entropy(
     scores: Tensor, candidates: Tensor, labels: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The selector's loss terms: fp32 CE over the K candidate scores toward the gold token, weighted by
-    ``weights`` (decay x validity) where the gold token is among the candidates.
+    ``weights`` (the objective's: decay or D-PACE, times validity) where the gold token is among the candidates.
 
     Returns (weighted CE sum, weight sum, covered ``[M, D]``); the loss is ``sum / (weight sum + eps)``,
     normalised by its own weights and exactly 0 (never NaN) when no gold token is covered.

@@ -30,6 +30,7 @@ from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
 from lightning_drafts.eagle3.llama_draft import build_llama_draft
 from lightning_drafts.eagle3.mla_draft import build_mla_draft
 from lightning_drafts.eagle3.rules import TARGET_LAYER_IDS
+from lightning_drafts.eagle3.step_objective import StepObjective
 from lightning_drafts.eagle3.ttt import TeacherSignal, eagle3_objective, ttt_unroll
 from lightning_drafts.eagle3.vocab_mapping import (
     VocabMapping,
@@ -60,6 +61,12 @@ class Eagle3Base(DraftModule):
             train loader in ``setup``; or call :meth:`build_vocab_mapping` yourself before training.
         draft_attn_backend: ``"auto"`` (flex ``BlockMask`` on CUDA, dense block-causal mask elsewhere),
             ``"sdpa"`` / ``"eager"`` (dense mask), or ``"flex"``.
+        lk_loss_type: the per-step loss (:mod:`lightning_drafts.eagle3.step_objective`): ``None`` (soft
+            cross-entropy), LK ``"alpha"`` (``-mean log alpha``) or ``"lambda"`` (soft CE and
+            ``1 - mean alpha`` mixed by ``lk_kl_scale * exp(-lk_kl_decay * mean alpha)``), with
+            ``alpha = sum_v min(P_teacher, q_draft)``.
+        lk_kl_scale: ``"lambda"``'s scale, in [0, 1] (1.0).
+        lk_kl_decay: ``"lambda"``'s decay, >= 0 (3.0).
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
@@ -72,6 +79,9 @@ class Eagle3Base(DraftModule):
         loss_decay_gamma: float = 0.8,
         token_frequencies: Tensor | Sequence[int] | str | None = None,
         draft_attn_backend: str = "auto",
+        lk_loss_type: str | None = None,
+        lk_kl_scale: float = 1.0,
+        lk_kl_decay: float = 3.0,
         **kwargs: Any,
     ) -> None:
         check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
@@ -83,6 +93,7 @@ class Eagle3Base(DraftModule):
                 "the cache; set activation_checkpointing: false"
             )
         _check_draft_backend(draft_attn_backend)
+        objective = StepObjective(lk_loss_type, lk_kl_scale, lk_kl_decay)
         if draft_vocab_size is not None:
             # Type and sign only, before the (possibly large) target is loaded; V is checked below.
             check_draft_vocab_size(draft_vocab_size, vocab_size=draft_vocab_size)
@@ -91,6 +102,7 @@ class Eagle3Base(DraftModule):
         self.remove_ignored_hparams(["token_frequencies"])
         getattr(self, "_hparams_initial", {}).pop("token_frequencies", None)
 
+        self.objective = objective
         self.target_layer_ids = resolve_target_layer_ids(target_layer_ids, self.target.num_layers)
         vocab_size = self.target.vocab_size
         embedding_rows = self.target.input_embeddings.weight.shape[0]
@@ -196,7 +208,7 @@ class Eagle3Base(DraftModule):
             self.hparams.ttt_length,
         )
         return eagle3_objective(
-            self.draft.compute_logits, states, packed, teacher, self.hparams.loss_decay_gamma
+            self.draft.compute_logits, states, packed, teacher, self.hparams.loss_decay_gamma, self.objective
         )
 
     def draft_logits(self, batch: Mapping[str, Tensor] | PackedBatch) -> Tensor:

@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_drafts.attention.backends import attention_with_lse
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.eagle3.step_objective import StepObjective
 
 
 @dataclass
@@ -155,12 +156,6 @@ def ttt_unroll(
     return states
 
 
-def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
-    """Per-row ``-Σ_v p_teacher · log q_student`` in fp32 (= forward KL + teacher entropy)."""
-    teacher = torch.softmax(teacher_logits.float(), dim=-1)
-    return -(teacher * torch.log_softmax(student_logits.float(), dim=-1)).sum(-1)
-
-
 def step_weights(ttt_length: int, gamma: float) -> list[float]:
     """``gamma^k / Σ_j gamma^j``: the loss scale does not depend on ``ttt_length`` (eagle3.md §5.4)."""
     raw = [gamma**k for k in range(ttt_length)]
@@ -173,10 +168,12 @@ def eagle3_objective(
     packed: PackedBatch,
     teacher: TeacherSignal,
     gamma: float,
+    objective: StepObjective | None = None,
 ) -> DraftOutput:
-    """The decayed, valid-count-normalised soft cross-entropy and the ``[M, K]`` prediction chains.
+    """The decayed, valid-count-normalised step losses and the ``[M, K]`` prediction chains.
 
-    ``L_k`` is the mean soft CE over the slots supervised at step ``k`` (0 when none, still weighted);
+    ``L_k`` is ``objective``'s loss over the slots supervised at step ``k`` (default: their mean soft CE;
+    LK options in :mod:`lightning_drafts.eagle3.step_objective`; 0 when none, still weighted);
     ``loss = Σ_k gamma^k L_k / Σ_k gamma^k``. Logits are computed only on supervised rows, so a draft
     vocabulary of any size never costs ``[B, T, V_d]`` per step.
 
@@ -184,6 +181,7 @@ def eagle3_objective(
     ``valid[:, k] = C_k`` (no ``t2d`` term), ``correct[:, k] = (draft argmax == teacher argmax) ∧ S_k``;
     ``valid_tokens = Σ_k Σ S_k``.
     """
+    objective = StepObjective() if objective is None else objective
     steps = len(states)
     trainer_loss_mask = shift_left(packed.loss_mask, 1)
     trainer_in_vocab = shift_left(teacher.in_draft_vocab, 1)
@@ -204,7 +202,7 @@ def eagle3_objective(
         student = compute_logits(state[step_rows, step_slots])
         teacher_rows = teacher.row[step_rows, step_slots + 1 + k]
         target = teacher.logits[teacher_rows]
-        loss = loss + weight * soft_cross_entropy(student, target).sum() / max(1, step_rows.numel())
+        loss = loss + weight * objective.step_loss(student, target)
         correct[step_rows, step_slots, k] = student.detach().argmax(-1) == teacher_argmax[teacher_rows]
     supervised_total = torch.tensor(sum(sizes), device=valid.device)
     chains = valid.any(-1).reshape(-1)
