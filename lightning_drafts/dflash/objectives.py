@@ -37,6 +37,7 @@ from torch import Tensor
 from lightning_drafts.attention.block_masks import BlockLayout
 from lightning_drafts.blockdraft.objective import LOSS_EPS
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.checks import is_number
 
 DPACE_LOSS_TYPES = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
 LK_LOSS_TYPES = ("lk-alpha", "lk-tv", "lk-lambda")
@@ -70,7 +71,7 @@ class BlockObjective:
         # kappa <= kl_scale, so a scale in [0, 1] keeps TV's coefficient 1 - kappa non-negative; above 1
         # it would reward a lower acceptance early in training.
         _check_in_unit_interval("kl_scale", self.kl_scale)
-        if not _is_number(self.kl_decay) or not 0 <= self.kl_decay < math.inf:
+        if not is_number(self.kl_decay) or not 0 <= self.kl_decay < math.inf:
             raise ValueError(f"kl_decay = {self.kl_decay!r} must be a finite number >= 0")
 
     @property
@@ -161,9 +162,5 @@ def document_block_scale(packed: PackedBatch, layout: BlockLayout, valid: Tensor
 
 
 def _check_in_unit_interval(name: str, value: object) -> None:
-    if not _is_number(value) or not 0 <= value <= 1:
+    if not is_number(value) or not 0 <= value <= 1:
         raise ValueError(f"{name} = {value!r} must be a number in [0, 1]")
-
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))

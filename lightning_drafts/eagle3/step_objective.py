@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_drafts.core.checks import is_number
+
 LK_LOSS_TYPES = (None, "alpha", "lambda")
 
 
@@ -40,9 +42,9 @@ class StepObjective:
             raise ValueError(f"lk_loss_type {self.lk_loss_type!r} is unknown; choose one of {LK_LOSS_TYPES}")
         # kappa <= lk_kl_scale, so a scale in [0, 1] keeps the acceptance term's coefficient 1 - kappa
         # non-negative; above 1 it would reward a lower acceptance early in training.
-        if not _is_number(self.lk_kl_scale) or not 0 <= self.lk_kl_scale <= 1:
+        if not is_number(self.lk_kl_scale) or not 0 <= self.lk_kl_scale <= 1:
             raise ValueError(f"lk_kl_scale = {self.lk_kl_scale!r} must be a number in [0, 1]")
-        if not _is_number(self.lk_kl_decay) or not 0 <= self.lk_kl_decay < math.inf:
+        if not is_number(self.lk_kl_decay) or not 0 <= self.lk_kl_decay < math.inf:
             raise ValueError(f"lk_kl_decay = {self.lk_kl_decay!r} must be a finite number >= 0")
 
     def step_loss(self, student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
@@ -64,7 +66,3 @@ class StepObjective:
         mean_accept = accept.sum() / count
         kappa = self.lk_kl_scale * torch.exp(-self.lk_kl_decay * mean_accept.detach())
         return kappa * soft_ce / count + (1.0 - kappa) * (1.0 - mean_accept)
-
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
