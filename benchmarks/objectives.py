@@ -119,10 +119,12 @@ class Record(L.Callback):
         self.losses: list[float] = []
         self.validations: list[dict[str, float]] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: dict, batch: dict, batch_idx: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]))
 
-    def on_validation_end(self, trainer, module) -> None:
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.validations.append(
                 {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}

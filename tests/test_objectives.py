@@ -21,6 +21,7 @@ from lightning_drafts.blockdraft.objective import block_targets, chain_hidden, d
 from lightning_drafts.core.acceptance import acceptance_length, prefix_counts, skip_holes_accept_sums
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.core.chunked_terms import over_chunks
+from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.dflash.objectives import LOSS_TYPES, BlockObjective, dpace_weights
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents, perturb, run, to_padded
 from tests.builders import TINY_TARGETS, VOCAB, packed_row, padded_rows, stack_rows
@@ -165,7 +166,9 @@ def test_every_objective_equals_the_reference_on_random_logits(loss_type, known)
     decay = decay_weights(valid.shape[1], 7.0)
     base, denominator = objective.base_weights(packed, layout, valid, decay)
 
-    def terms(chunk_logits, labels, chunk_valid, chunk_base):
+    def terms(
+        chunk_logits: torch.Tensor, labels: torch.Tensor, chunk_valid: torch.Tensor, chunk_base: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         result = objective.chunk_terms(chunk_logits, labels, chunk_valid, chunk_base)
         return (*result.sums, result.gold_probability_sum)
 
@@ -417,7 +420,7 @@ def test_blocks_of_one_document_ignore_the_others_under_every_objective(loss_typ
     module = make(loss_type=loss_type)
     before, middle, after = documents([9, 12, 8], seed=5)
 
-    def loss(docs):
+    def loss(docs: list[torch.Tensor]) -> DraftOutput:
         batch = stack_rows([packed_row(docs, 32)])
         return module.compute_loss(
             supervise(batch, batch["position_ids"]), anchors=torch.tensor([[11, 13, 16]])

@@ -46,7 +46,9 @@ class SaveGradients(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
-    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         # full_tensor is a collective: every rank takes part, rank 0 writes.
         grads = {
             name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
