@@ -14,9 +14,12 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from lightning_drafts.core.acceptance import prefix_counts
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.ttt import shift_left, step_masks
 from tests.builders import VOCAB, packed_row, random_docs, stack_rows
+
+GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
 
 
 def frequencies(seed: int = 0) -> torch.Tensor:
@@ -28,6 +31,34 @@ def build(module_class: type[Eagle3Base], target: dict, **kwargs) -> Eagle3Base:
     torch.manual_seed(0)
     defaults = {"ttt_length": 3, "draft_vocab_size": 48, "token_frequencies": frequencies()}
     return module_class(target, **{**defaults, **kwargs})
+
+
+def run(module: Eagle3Base, batch: dict) -> tuple[object, dict[str, torch.Tensor]]:
+    module.zero_grad(set_to_none=True)
+    output = module.compute_loss(batch)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in module.draft.named_parameters() if p.requires_grad}
+    return output, grads
+
+
+def assert_same_objective(module: Eagle3Base, first: dict, second: dict) -> None:
+    """Same loss, every draft gradient, the same chains and the same acceptance counts."""
+    a, grads_a = run(module, first)
+    b, grads_b = run(module, second)
+    assert int(a.valid_tokens) == int(b.valid_tokens) > 0
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 5
+    for name in grads_a:
+        assert grads_a[name] is not None and grads_a[name].abs().sum() > 0, f"{name} got no gradient"
+        torch.testing.assert_close(
+            grads_a[name], grads_b[name], **GRAD_TOLERANCE, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    assert torch.equal(a.valid, b.valid)
+    assert torch.equal(a.correct, b.correct)
+    for count_a, count_b in zip(
+        prefix_counts(a.correct, a.valid), prefix_counts(b.correct, b.valid), strict=True
+    ):
+        assert torch.equal(count_a, count_b)
 
 
 def check_gate_worked_example(module_class: type[Eagle3Base], target: dict) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "objective_grads.py"
 DRAFTS = ("dflash-dpace", "dflash2-lk-lambda", "eagle3-lambda")
 

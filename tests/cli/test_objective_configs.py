@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_drafts.cli.main import DraftCLI, run_cli
+from lightning_drafts.cli.fit import DraftCLI, run_cli
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.dflash.objectives import LOSS_TYPES
 from lightning_drafts.eagle3.step_objective import LK_LOSS_TYPES
 from lightning_drafts.training.module import DraftModule
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart"
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart"
 OPTIONS = [
     *((config, "loss_type", value) for config in ("dflash", "dflash2") for value in LOSS_TYPES),
     *((config, "lk_loss_type", value) for config in ("eagle3", "mla_eagle3") for value in LK_LOSS_TYPES),
