@@ -50,3 +50,26 @@ def _int_kind(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"an int <= {maximum}"
     return "an int"
+
+
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above_minimum: bool = False,
+    below_maximum: bool = False,
+) -> float:
+    """``value`` itself when it is a finite number in the given range (bounds inclusive unless
+    ``above_minimum`` / ``below_maximum``), else a ``ValueError`` naming it and the range."""
+    low = "" if minimum is None else f"{'>' if above_minimum else '>='} {minimum}"
+    high = "" if maximum is None else f"{'<' if below_maximum else '<='} {maximum}"
+    fine = is_number(value) and value == value and abs(value) != float("inf")
+    if fine and minimum is not None:
+        fine = value > minimum if above_minimum else value >= minimum
+    if fine and maximum is not None:
+        fine = value < maximum if below_maximum else value <= maximum
+    if not fine:
+        bounds = " and ".join(b for b in (low, high) if b)
+        raise ValueError(f"{name} = {value!r}; it must be a number{' ' + bounds if bounds else ''}")
+    return value

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_drafts.core.batch import PackedBatch, validate_batch
+from lightning_drafts.core.checks import check_number
 from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
@@ -70,6 +71,14 @@ class DraftModule(L.LightningModule):
         pad_token_id: int | None = None,
     ) -> None:
         super().__init__()
+        check_number("learning_rate", learning_rate, minimum=0, above_minimum=True)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas = {betas!r}; it must be two numbers (beta1, beta2) in [0, 1)")
+        for index, beta in enumerate(betas):
+            check_number(f"betas[{index}]", beta, minimum=0, maximum=1, below_maximum=True)
+        check_number("weight_decay", weight_decay, minimum=0)
+        check_number("warmup_ratio", warmup_ratio, minimum=0, maximum=1)
+        check_number("min_lr_ratio", min_lr_ratio, minimum=0, maximum=1)
         self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
         target = _with_tokenizer_vocab(target, tokenizer_vocab_size)
         self.target = FrozenTarget(

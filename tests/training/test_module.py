@@ -146,3 +146,20 @@ def test_a_precision_that_recasts_the_target_away_from_target_dtype_is_refused(t
     kept = NextTokenProbe(TINY_TARGETS["llama"], target_dtype="bfloat16")
     trainer(tmp_path, logger=False, max_steps=1, precision="bf16-true").fit(kept, loader())
     assert next(kept.target.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"learning_rate": -1}, "learning_rate = -1; it must be a number > 0"),
+        ({"learning_rate": 0.0}, "learning_rate = 0.0; it must be a number > 0"),
+        ({"warmup_ratio": 2}, "warmup_ratio = 2; it must be a number >= 0 and <= 1"),
+        ({"min_lr_ratio": -0.1}, "min_lr_ratio = -0.1; it must be a number >= 0 and <= 1"),
+        ({"weight_decay": float("nan")}, "weight_decay = nan; it must be a number >= 0"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\] = 1.0; it must be a number >= 0 and < 1"),
+        ({"betas": (0.9,)}, r"betas = \(0.9,\); it must be two numbers"),
+    ],
+)
+def test_optimiser_settings_out_of_range_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        NextTokenProbe(TINY_TARGETS["llama"], **options)
