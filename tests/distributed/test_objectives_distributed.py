@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "objective_grads.py"
+SCRIPT = ROOT / "tests" / "scripts" / "objective_grads.py"
 DRAFTS = ("dflash-dpace", "dflash2-lk-lambda", "eagle3-lambda")
 
 
