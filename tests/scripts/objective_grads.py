@@ -18,12 +18,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, Eagle3Module
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.builders import TINY_TARGETS, packed_row, stack_rows
+from tests.scripts.distributed_grads import strategy_of, whole
 
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 64}
 DRAFTS = {
@@ -50,25 +50,10 @@ class SaveGradients(L.Callback):
         self, trainer: L.Trainer, module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # full_tensor is a collective: every rank takes part, rank 0 writes.
-        grads = {
-            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for name, p in module.named_parameters()
-            if p.grad is not None
-        }
+        grads = {name: whole(p.grad) for name, p in module.named_parameters() if p.grad is not None}
         sharded = isinstance(next(module.target.decoder_layers[0].parameters()), DTensor)
         if trainer.is_global_zero:
             torch.save({"grads": grads, "target_sharded": sharded}, self.out)
-
-
-def strategy_of(name: str) -> object:
-    if name == "ddp":
-        return "ddp"
-    return ModelParallelStrategy(
-        data_parallel_size=2,
-        tensor_parallel_size=1,
-        process_group_backend="gloo",
-        save_distributed_checkpoint=False,
-    )
 
 
 def rows() -> list[dict[str, torch.Tensor]]:
