@@ -119,14 +119,17 @@ def test_an_lm_head_still_at_its_initialisation_is_refused(tmp_path):
         module.export(tmp_path / "untrained")
 
 
-def test_the_mla_layout_needs_interleaved_rope_and_its_latent_ranks(tmp_path):
+def mla_export(directory: Path, target: dict = TINY_TARGETS["deepseek_v3"]) -> tuple[MLAEagle3Module, Path]:
+    """An MLA draft whose LM head has left its initialisation, and its export."""
     torch.manual_seed(0)
-    module = MLAEagle3Module(
-        TINY_TARGETS["deepseek_v3"], ttt_length=STEPS, draft_vocab_size=48, token_frequencies=frequencies()
-    )
+    module = MLAEagle3Module(target, ttt_length=STEPS, draft_vocab_size=48, token_frequencies=frequencies())
     with torch.no_grad():
         module.draft.lm_head.weight.mul_(1.5)
-    export = module.export(tmp_path / "draft")
+    return module, module.export(directory)
+
+
+def test_the_mla_layout_needs_interleaved_rope_and_its_latent_ranks(tmp_path):
+    module, export = mla_export(tmp_path / "draft")
 
     def break_config(config: dict) -> None:
         config["rope_interleave"] = False
@@ -137,32 +140,29 @@ def test_the_mla_layout_needs_interleaved_rope_and_its_latent_ranks(tmp_path):
         validate_export(broken, module.target)
 
 
+# A YaRN scaling past the tiny target's short original context, with DeepSeek-V3's magnitudes.
+TINY_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 VLLM_BREAKING_MLA_CONFIGS = {
     "deepseek_v3 model_type (vLLM builds its MTP model)": (
         {"model_type": "deepseek_v3"},
         "model_type: is 'deepseek_v3'; write 'deepseek_v2'",
     ),
     "the target's YaRN magnitudes copied": (
-        {
-            "rope_scaling": {
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "original_max_position_embeddings": 64,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            }
-        },
+        {"rope_scaling": TINY_YARN},
         r"rope_scaling: is .*'mscale': 1.0.*write .*\"mscale\": 0.0, \"mscale_all_dim\": 0.0",
     ),
     "a YaRN ramp the draft does not apply": (
         {
             "rope_scaling": {
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "beta_fast": 32,
-                "beta_slow": 1,
+                **TINY_YARN,
                 "original_max_position_embeddings": 4096,
                 "mscale": 0.0,
                 "mscale_all_dim": 0.0,
@@ -175,13 +175,7 @@ VLLM_BREAKING_MLA_CONFIGS = {
 
 @pytest.mark.parametrize("case", list(VLLM_BREAKING_MLA_CONFIGS))
 def test_the_mla_layout_refuses_what_vllm_would_serve_differently(case, tmp_path):
-    torch.manual_seed(0)
-    module = MLAEagle3Module(
-        TINY_TARGETS["deepseek_v3"], ttt_length=STEPS, draft_vocab_size=48, token_frequencies=frequencies()
-    )
-    with torch.no_grad():
-        module.draft.lm_head.weight.mul_(1.5)
-    export = module.export(tmp_path / "draft")
+    module, export = mla_export(tmp_path / "draft")
     fields, message = VLLM_BREAKING_MLA_CONFIGS[case]
     broken = rewrite_export(export, tmp_path / "broken", config_edit=lambda config: config.update(fields))
     with pytest.raises(ValueError, match=message):
@@ -191,26 +185,9 @@ def test_the_mla_layout_refuses_what_vllm_would_serve_differently(case, tmp_path
 def test_the_served_mla_draft_under_yarn_is_the_trained_one(tmp_path):
     """A YaRN target's MLA draft exports the ramp without vLLM's magnitudes, and the draft built from that
     config computes bit for bit what the trained draft computes, past the original context too."""
-    yarn = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "original_max_position_embeddings": 64,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
-    torch.manual_seed(0)
-    module = MLAEagle3Module(
-        {**TINY_TARGETS["deepseek_v3"], "rope_parameters": yarn},
-        ttt_length=STEPS,
-        draft_vocab_size=48,
-        token_frequencies=frequencies(),
-    )
-    with torch.no_grad():
-        module.draft.lm_head.weight.mul_(1.5)
-    draft, config = load_eagle3_draft(module.export(tmp_path / "draft"))
+    yarn = {**TINY_YARN, "rope_theta": 10000.0}
+    module, export = mla_export(tmp_path / "draft", {**TINY_TARGETS["deepseek_v3"], "rope_parameters": yarn})
+    draft, config = load_eagle3_draft(export)
     ramp = {k: yarn[k] for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")}
     assert config["rope_scaling"] == {"rope_type": "yarn", **ramp, "mscale": 0.0, "mscale_all_dim": 0.0}
     assert torch.equal(draft.rope.inv_freq, module.draft.rope.inv_freq)
