@@ -1,7 +1,7 @@
 """Greedy (speculative) decoding of token-id prompts by a real vLLM engine, as a standalone script.
 
 It runs in vLLM's own Python environment, where this project is not installed, so it imports only vLLM,
-torch and the standard library (never ``lightning_drafts``). The project side is
+tqdm (which vLLM ships with) and the standard library, never ``lightning_drafts``. The project side is
 :mod:`lightning_drafts.serving.vllm_engine`, which writes the request, launches
 ``python vllm_runner.py REQUEST.json RESULT.json`` and reads the result.
 

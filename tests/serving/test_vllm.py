@@ -1,0 +1,93 @@
+"""A real vLLM engine (vLLM's CPU build, in its own environment) serves the exports of every family it
+serves on CPU, and counts what ``lightning-drafts evaluate``'s built-in decode counts: on the same prompts,
+every generated token equal (and equal to the target's greedy decode), the same number of verify rounds
+and the same accepted count at every drafted position.
+
+The vLLM environment comes from ``$LIGHTNING_DRAFTS_VLLM_PYTHON`` or is built by ``.ci/vllm-env``; if it
+cannot be had, these tests fail with the reason (they are never skipped). One vLLM engine starts per
+test (about 20 s on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lightning_drafts.serving.report import EvaluationReport
+from lightning_drafts.serving.vllm_engine import VLLMRunError
+from lightning_drafts.workflows.evaluate import evaluate_export
+from tests.serving.vllm_cases import BLOCK, MAX_NEW_TOKENS, prompts, save_target, trained_export
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# family -> (target kind, num_steps). MLA-EAGLE-3 joins once its export writes vLLM's DeepSeek EAGLE-3
+# layout (deepseek_eagle3.py): add ("mla_eagle3", "deepseek_v3", 3) here, with a DeepSeek-V3 target in
+# vllm_cases.TARGETS and its module in vllm_cases.build_draft.
+SERVED = {
+    "eagle3": ("llama", 3),
+    "dflash": ("qwen3", BLOCK - 1),
+    # Fewer tokens than the block holds: vLLM drafts a block of num_steps + 1 slots (not the trained block
+    # cut short), and so does the built-in decode.
+    "dflash-short": ("qwen3", BLOCK - 2),
+}
+# What vLLM's CPU build (its V1 model runner) says when it refuses a family.
+REFUSED = {
+    "dflash2": "Model Runner V1 does not support: DFlash candidate-head drafts",
+    "dspark": "Model Runner V1 does not support: dspark speculative decoding",
+}
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM environment's python: ``$LIGHTNING_DRAFTS_VLLM_PYTHON``, else ``.venv-vllm`` (built once)."""
+    built = subprocess.run(["bash", str(ROOT / ".ci" / "vllm-env")], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.fail(
+            f".ci/vllm-env could not provide a vLLM environment:\n{built.stderr[-4000:]}", pytrace=False
+        )
+    return Path(built.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vllm-targets")
+    return {kind: save_target(kind, root / kind) for kind in ("llama", "qwen3")}
+
+
+def evaluate(export: Path, target: Path, num_steps: int, **options) -> EvaluationReport:
+    return evaluate_export(
+        export,
+        prompts(seed=2)[:3] + prompts(seed=1)[:3],  # held-out prompts and prompts the draft trained on
+        target=str(target),
+        max_new_tokens=MAX_NEW_TOKENS,
+        num_steps=num_steps,
+        stop_token_ids=[],
+        with_training_estimate=False,
+        check_lossless=True,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("case", sorted(SERVED))
+def test_vllm_serves_what_evaluate_measures(case, targets, vllm_python, tmp_path, one_thread):
+    kind, num_steps = SERVED[case]
+    export = trained_export(case.split("-")[0], targets[kind], tmp_path / "export")
+    builtin = evaluate(export, targets[kind], num_steps)
+    served = evaluate(export, targets[kind], num_steps, engine="vllm", vllm_python=vllm_python)
+    assert builtin.lossless and served.lossless  # each engine's tokens equal the target's greedy decode
+    assert served.generations == builtin.generations
+    assert served.engine_info["vllm_version"] == "0.32.0"
+    assert served.rounds == builtin.rounds == served.engine_info["rounds"]
+    assert served.served.hits == builtin.served.hits == served.engine_info["accepted_per_position"]
+    # Not a trivial agreement: some rounds accept drafted tokens, others reject them.
+    assert 0 < builtin.served.hits[0] < builtin.rounds, builtin.served.hits
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_vllm_on_cpu_refuses_what_it_cannot_serve(family, targets, vllm_python, tmp_path):
+    """The README's serving table quotes these errors; a vLLM that serves the family fails this test."""
+    export = trained_export(family, targets["qwen3"], tmp_path / "export", steps=2)
+    with pytest.raises(VLLMRunError, match=REFUSED[family]):
+        evaluate(export, targets["qwen3"], BLOCK - 1, engine="vllm", vllm_python=vllm_python)
