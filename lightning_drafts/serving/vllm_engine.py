@@ -163,6 +163,8 @@ def run_vllm(
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         # One process: the offline engine otherwise spawns a worker that re-imports the runner.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # vLLM logs to stdout by default; stdout is the progress bar's, the log is kept for errors.
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     }
     show = progress and sys.stderr.isatty()
     with tempfile.TemporaryDirectory(prefix="lightning-drafts-vllm-") as scratch:

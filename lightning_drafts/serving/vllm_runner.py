@@ -37,6 +37,8 @@ from typing import Any
 # the script also runs by hand.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# stdout carries the progress bar only; vLLM's log (stdout by default) goes to stderr.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 REQUIRED = ("target", "prompts", "max_new_tokens")
 

@@ -83,6 +83,10 @@ def test_vllm_serves_what_evaluate_measures(case, targets, vllm_python, tmp_path
     assert served.served.hits == builtin.served.hits == served.engine_info["accepted_per_position"]
     # Not a trivial agreement: some rounds accept drafted tokens, others reject them.
     assert 0 < builtin.served.hits[0] < builtin.rounds, builtin.served.hits
+    # Some last round accepted past max_new_tokens (prefill token + accepted + bonus per round exceed what
+    # was kept): both engines count what such a round accepted before the output was cut.
+    emitted = builtin.num_prompts + builtin.rounds + sum(builtin.served.hits)
+    assert emitted > builtin.generated_tokens == builtin.num_prompts * MAX_NEW_TOKENS
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
