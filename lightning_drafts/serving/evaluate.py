@@ -102,13 +102,7 @@ def evaluate_family_export(
             python=vllm_python,
             progress=progress,
         )
-        generations = served.generations
-        engine_info = {
-            "vllm_version": served.result.vllm_version,
-            "rounds": served.result.rounds,
-            "accepted_per_position": served.result.accepted_per_position,
-            "seconds": served.result.seconds,
-        }
+        generations, engine_info = served.as_generations(), served.engine_info()
     else:
         generations = map_with_progress(
             lambda p: speculative_generate(frozen, speculator, p, max_new_tokens, stop),

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +55,11 @@ class VLLMRequest:
     max_model_len: int | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The runner's request (field for field, the names its docstring lists)."""
         return {
-            "target": self.target,
-            "draft": self.draft,
-            "method": self.method,
-            "num_speculative_tokens": self.num_speculative_tokens,
+            **asdict(self),
             "prompts": [[int(t) for t in p] for p in self.prompts],
-            "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": [int(t) for t in self.stop_token_ids],
-            "ignore_eos": self.ignore_eos,
-            "dtype": self.dtype,
-            "max_model_len": self.max_model_len,
         }
 
 
@@ -102,6 +96,15 @@ class VLLMResult:
             drafted=[list(r["drafted"]) for r in per_request],
             seconds=dict(data.get("seconds") or {}),
         )
+
+    def engine_info(self) -> dict[str, Any]:
+        """vLLM's version, its own counters and timings, for the evaluation report."""
+        return {
+            "vllm_version": self.vllm_version,
+            "rounds": self.rounds,
+            "accepted_per_position": self.accepted_per_position,
+            "seconds": self.seconds,
+        }
 
     def as_generations(self) -> list[Generation]:
         """One :class:`Generation` per prompt, rounds included, as the built-in decode reports them."""

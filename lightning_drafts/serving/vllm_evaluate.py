@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_drafts.serving.decode import Generation
 from lightning_drafts.serving.family import DraftFamily
 from lightning_drafts.serving.vllm_engine import VLLMRequest, VLLMResult, run_vllm
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
 
-# Our dtype names -> vLLM's ``dtype`` argument; vLLM serves tiny fp32 checkpoints in fp32 only when told.
+# Our dtype names -> vLLM's ``dtype``. None is float32: vLLM's own ``auto`` casts a float32 checkpoint down to
+# 16 bits, where the built-in decode keeps it in float32.
 VLLM_DTYPES = {
     None: "float32",
     "float32": "float32",
@@ -33,14 +32,6 @@ VLLM_DTYPES = {
     "float16": "float16",
     "fp16": "float16",
 }
-
-
-@dataclass(frozen=True)
-class VLLMServed:
-    """vLLM's generations per prompt, as :class:`Generation` records, and vLLM's own counters."""
-
-    generations: list[Generation]
-    result: VLLMResult
 
 
 def serve_with_vllm(
@@ -56,8 +47,9 @@ def serve_with_vllm(
     dtype: str | None = None,
     python: str | Path | None = None,
     progress: bool = False,
-) -> VLLMServed:
-    """Greedy speculative decoding of ``prompts`` by vLLM from the export in ``export_dir``.
+) -> VLLMResult:
+    """Greedy speculative decoding of ``prompts`` by vLLM from the export in ``export_dir``: what vLLM
+    generated, with its rounds (``as_generations()`` gives them as the built-in decode reports them).
 
     Args:
         target: the target as ``evaluate`` was given it (``None``: the one the export records).
@@ -84,8 +76,7 @@ def serve_with_vllm(
             ignore_eos=True,
             dtype=VLLM_DTYPES[dtype],
         )
-        result = run_vllm(request, python=python, progress=progress)
-    return VLLMServed(result.as_generations(), result)
+        return run_vllm(request, python=python, progress=progress)
 
 
 def _loadable_target(target: FrozenTarget | TargetSpec | None, frozen: FrozenTarget, scratch: Path) -> str:

@@ -77,7 +77,7 @@ def build_draft(family: str, target_dir: Path) -> DraftModule:
     if family == "eagle3":
         # A draft vocabulary smaller than the target's, so vLLM reads d2t; the last layer is among the ids.
         return Eagle3Module(target, ttt_length=3, draft_vocab_size=64, target_layer_ids=[0, 2, 3], **common)
-    block = {"mask_token_id": MASK, "block_size": BLOCK, "num_anchors": 16, "num_draft_layers": 1, **common}
+    block = {"mask_token_id": MASK, "block_size": BLOCK, "num_anchors": 16, "num_draft_layers": 2, **common}
     if family == "dflash":
         return DFlashModule(target, target_layer_ids=[1, 3], **block)
     if family == "dflash2":
@@ -89,8 +89,20 @@ def build_draft(family: str, target_dir: Path) -> DraftModule:
     raise ValueError(f"no vLLM case for family {family!r}")
 
 
-def trained_export(family: str, target_dir: Path, directory: Path, steps: int = TRAIN_STEPS) -> Path:
-    """``family``'s draft trained ``steps`` AdamW steps on the target's greedy text, exported to ``directory``."""
+def trained_export(
+    family: str,
+    target_dir: Path,
+    directory: Path,
+    steps: int = TRAIN_STEPS,
+    context_key_gains: str = "shared",
+) -> Path:
+    """``family``'s draft trained ``steps`` AdamW steps on the target's greedy text, exported to ``directory``.
+
+    ``context_key_gains`` (block drafts): ``"shared"`` gives every draft layer the first layer's ``k_norm``
+    gain, the one vLLM's CPU build applies to every layer's context keys, so both engines draft alike;
+    ``"distinct"`` sets the later layers' gains far from the first's, where the two part (README: "Served
+    by a real engine").
+    """
     module = build_draft(family, target_dir)
     batch = self_distillation_batch(module.target)
     if isinstance(module, Eagle3Module):
@@ -100,4 +112,19 @@ def trained_export(family: str, target_dir: Path, directory: Path, steps: int = 
         optimizer.zero_grad()
         module.compute_loss(batch).loss.backward()
         optimizer.step()
+    if not isinstance(module, Eagle3Module):
+        set_context_key_gains(module.draft.layers, context_key_gains)
     return module.export(directory)
+
+
+def set_context_key_gains(layers: torch.nn.ModuleList, mode: str) -> None:
+    first = layers[0].self_attn.k_norm.weight
+    with torch.no_grad():
+        for layer in layers[1:]:
+            gain = layer.self_attn.k_norm.weight
+            if mode == "shared":
+                gain.copy_(first)
+            elif mode == "distinct":
+                gain.copy_(2 * first.flip(0))
+            else:
+                raise ValueError(f"context_key_gains={mode!r}; use 'shared' or 'distinct'")
