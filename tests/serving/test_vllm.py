@@ -10,6 +10,7 @@ test (about 20 s on a 2-core CPU).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -108,7 +109,10 @@ def test_vllm_cpu_gives_every_dflash_layers_context_keys_the_first_layers_gain(
     (the tests above); with distinct gains vLLM drafts other tokens and the counts part, the output still
     lossless. A vLLM that fixes its kernel fails this test: then serve distinct gains in the tests above."""
     probe = subprocess.run(
-        [str(vllm_python), "-c", KERNEL_PROBE], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1"}
+        [str(vllm_python), "-c", KERNEL_PROBE],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.strip().splitlines()[-1] == "row 0"
