@@ -174,7 +174,7 @@ def greedy_variety(model, prompts: list[torch.Tensor], new_tokens: int = 64) -> 
             logits = model(input_ids=ids, use_cache=False).logits[:, -1]
             ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
         out = ids[0, prompt.numel() :].tolist()
-        bigrams = list(zip(out, out[1:]))
+        bigrams = list(zip(out, out[1:], strict=False))
         distinct.append(len(set(out)))
         bigram_share.append(len(set(bigrams)) / len(bigrams))
     return {
@@ -194,7 +194,9 @@ def heldout_prompts(tokenizer: PreTrainedTokenizerFast, limit: int) -> list[torc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=Path(__file__).parents[1] / "lightning_drafts" / "shipped")
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parents[1] / "lightning_drafts" / "shipped"
+    )
     parser.add_argument("--only", choices=SHIPPED_TARGETS, action="append")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default: {STEPS})")
     parser.add_argument("--batch", type=int, default=16)

@@ -4,7 +4,7 @@ Examples::
 
     lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --num-prompts 16
     lightning-drafts evaluate DIR --target meta-llama/Llama-3.1-8B-Instruct --prompts prompts.jsonl --json r.json
-    lightning-drafts evaluate runs/export --config my_fit.yaml --engine vllm   # a target with heads >= 32 on CPU
+    lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --engine vllm
 
 Prompt sources, first match wins: ``--prompts`` (JSONL of token ids), ``--data-files`` (chat files,
 tokenised by ``lightning_drafts.datamodules.PackedChatDataModule``), ``--config`` / ``--data-config`` (a ``fit`` config:

@@ -16,7 +16,5 @@ FAMILY = DraftFamily(
     load_speculator=load_speculator,
     load_training_module=load_training_module,
     default_num_steps=default_num_steps,
-    # MLA-EAGLE-3 joins once its export writes vLLM's DeepSeek EAGLE-3 layout (deepseek_eagle3.py): the
-    # MLA_ARCHITECTURE layout of today is one no engine registers.
-    vllm_methods={DENSE_ARCHITECTURE: "eagle3"},
+    vllm_methods={DENSE_ARCHITECTURE: "eagle3", MLA_ARCHITECTURE: "eagle3"},
 )

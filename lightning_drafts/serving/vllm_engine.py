@@ -98,11 +98,13 @@ class VLLMResult:
         )
 
     def engine_info(self) -> dict[str, Any]:
-        """vLLM's version, its own counters and timings, for the evaluation report."""
+        """vLLM's version, its own counters (``draft_tokens``: tokens drafted over all rounds) and timings,
+        for the evaluation report."""
         return {
             "vllm_version": self.vllm_version,
             "rounds": self.rounds,
             "accepted_per_position": self.accepted_per_position,
+            "draft_tokens": sum(sum(d) for d in self.drafted),
             "seconds": self.seconds,
         }
 

@@ -428,7 +428,9 @@ def test_buffer_packing_efficiency_on_the_embedded_corpus(tokenizer, cache_dir):
 
 
 def test_reserved_id_problem_names_special_tokens_and_counts_occurrences():
-    data = PackedChatDataModule(tokenizer="shipped:tiny-qwen3", max_tokens=128, max_documents=50, val_fraction=0.1)
+    data = PackedChatDataModule(
+        tokenizer="shipped:tiny-qwen3", max_tokens=128, max_documents=50, val_fraction=0.1
+    )
     data.setup("fit")
     assert data.reserved_id_problem(2) == "the tokenizer's eos token '<|im_end|>'"
     assert data.reserved_id_problem(0) == "the tokenizer's pad token '<|endoftext|>'"

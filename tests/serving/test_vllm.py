@@ -19,13 +19,11 @@ import pytest
 from lightning_drafts.serving.report import EvaluationReport
 from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.workflows.evaluate import evaluate_export
-from tests.serving.vllm_cases import BLOCK, MAX_NEW_TOKENS, prompts, save_target, trained_export
+from tests.serving.vllm_cases import BLOCK, MAX_NEW_TOKENS, TARGETS, prompts, trained_export
+from tests.vllm_subprocess import vllm_python as find_vllm_python
 
-ROOT = Path(__file__).resolve().parents[2]
-
-# family -> (target kind, num_steps). MLA-EAGLE-3 joins once its export writes vLLM's DeepSeek EAGLE-3
-# layout (deepseek_eagle3.py): add ("mla_eagle3", "deepseek_v3", 3) here, with a DeepSeek-V3 target in
-# vllm_cases.TARGETS and its module in vllm_cases.build_draft.
+# family -> (target kind, num_steps). MLA-EAGLE-3 is served by the same engine in
+# tests/families/eagle3/test_mla_vllm.py, against a DeepSeek-V3 target of its own (YaRN, MoE routing).
 SERVED = {
     "eagle3": ("llama", 3),
     "dflash": ("qwen3", BLOCK - 1),
@@ -43,25 +41,14 @@ REFUSED = {
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The vLLM environment's python: ``$LIGHTNING_DRAFTS_VLLM_PYTHON``, else ``.venv-vllm`` (built once)."""
-    built = subprocess.run(["bash", str(ROOT / ".ci" / "vllm-env")], capture_output=True, text=True)
-    if built.returncode != 0:
-        pytest.fail(
-            f".ci/vllm-env could not provide a vLLM environment:\n{built.stderr[-4000:]}", pytrace=False
-        )
-    return Path(built.stdout.strip().splitlines()[-1])
+    return find_vllm_python()
 
 
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vllm-targets")
-    return {kind: save_target(kind, root / kind) for kind in ("llama", "qwen3")}
-
-
-def evaluate(export: Path, target: Path, num_steps: int, **options) -> EvaluationReport:
+def evaluate(export: Path, target: str, num_steps: int, **options) -> EvaluationReport:
     return evaluate_export(
         export,
         prompts(seed=2)[:3] + prompts(seed=1)[:3],  # held-out prompts and prompts the draft trained on
-        target=str(target),
+        target=target,
         max_new_tokens=MAX_NEW_TOKENS,
         num_steps=num_steps,
         stop_token_ids=[],
@@ -72,11 +59,11 @@ def evaluate(export: Path, target: Path, num_steps: int, **options) -> Evaluatio
 
 
 @pytest.mark.parametrize("case", sorted(SERVED))
-def test_vllm_serves_what_evaluate_measures(case, targets, vllm_python, tmp_path, one_thread):
+def test_vllm_serves_what_evaluate_measures(case, vllm_python, tmp_path, one_thread):
     kind, num_steps = SERVED[case]
-    export = trained_export(case.split("-")[0], targets[kind], tmp_path / "export")
-    builtin = evaluate(export, targets[kind], num_steps)
-    served = evaluate(export, targets[kind], num_steps, engine="vllm", vllm_python=vllm_python)
+    export = trained_export(case.split("-")[0], TARGETS[kind], tmp_path / "export")
+    builtin = evaluate(export, TARGETS[kind], num_steps)
+    served = evaluate(export, TARGETS[kind], num_steps, engine="vllm", vllm_python=vllm_python)
     assert builtin.lossless and served.lossless  # each engine's tokens equal the target's greedy decode
     assert served.generations == builtin.generations
     assert served.engine_info["vllm_version"] == "0.32.0"
@@ -101,7 +88,7 @@ print("row 1" if torch.allclose(out[1], 3 * unit[1], atol=1e-4) else "row 0" if 
 
 
 def test_vllm_cpu_gives_every_dflash_layers_context_keys_the_first_layers_gain(
-    targets, vllm_python, tmp_path, one_thread
+    vllm_python, tmp_path, one_thread
 ):
     """Where vLLM's CPU build and the reference DFlash part (the README's "DFlash gap"): vLLM normalises the
     context keys of all draft layers in one fused RMSNorm call with a gain per layer, and its CPU kernel
@@ -116,16 +103,16 @@ def test_vllm_cpu_gives_every_dflash_layers_context_keys_the_first_layers_gain(
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.strip().splitlines()[-1] == "row 0"
-    export = trained_export("dflash", targets["qwen3"], tmp_path / "export", context_key_gains="distinct")
-    builtin = evaluate(export, targets["qwen3"], BLOCK - 1)
-    served = evaluate(export, targets["qwen3"], BLOCK - 1, engine="vllm", vllm_python=vllm_python)
+    export = trained_export("dflash", TARGETS["qwen3"], tmp_path / "export", context_key_gains="distinct")
+    builtin = evaluate(export, TARGETS["qwen3"], BLOCK - 1)
+    served = evaluate(export, TARGETS["qwen3"], BLOCK - 1, engine="vllm", vllm_python=vllm_python)
     assert builtin.lossless and served.lossless and served.generations == builtin.generations
     assert (served.rounds, served.served.hits) != (builtin.rounds, builtin.served.hits)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
-def test_vllm_on_cpu_refuses_what_it_cannot_serve(family, targets, vllm_python, tmp_path):
+def test_vllm_on_cpu_refuses_what_it_cannot_serve(family, vllm_python, tmp_path):
     """The README's serving table quotes these errors; a vLLM that serves the family fails this test."""
-    export = trained_export(family, targets["qwen3"], tmp_path / "export", steps=2)
+    export = trained_export(family, TARGETS["qwen3"], tmp_path / "export", steps=2)
     with pytest.raises(VLLMRunError, match=REFUSED[family]):
-        evaluate(export, targets["qwen3"], BLOCK - 1, engine="vllm", vllm_python=vllm_python)
+        evaluate(export, TARGETS["qwen3"], BLOCK - 1, engine="vllm", vllm_python=vllm_python)
