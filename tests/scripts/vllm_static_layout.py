@@ -14,8 +14,8 @@ each came from, and the speculative settings vLLM derived (captured layers, toke
 
 Going through vLLM's code rather than parsing its source keeps the check true to the installed vLLM: a
 renamed field, a new stacked weight or a changed default shows up here as it would at serving time.
-A stopgap beside ``tests/scripts/vllm_speculative.py`` until the shared vLLM runner lands. Imports nothing
-from this project.
+Serving itself goes through the project's runner (``lightning_drafts/serving/vllm_runner.py``); this checks
+what serving cannot show on CPU. Imports nothing from this project.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 a DeepSeek-V3 (MLA + MoE, YaRN) target, and vLLM's greedy speculative decoding equals ``evaluate_export``'s
 token for token, round for round and accepted token for accepted token.
 
-vLLM runs in its own environment through ``tests/scripts/vllm_speculative.py`` (see
-:mod:`tests.vllm_subprocess`). The export read by vLLM's model code without serving:
+vLLM runs in its own environment through the project's runner (``evaluate_export(..., engine="vllm")``; the
+environment from :mod:`tests.vllm_subprocess`). The export read by vLLM's model code without serving:
 ``tests/families/test_vllm_layouts.py``.
 """
 
@@ -15,8 +15,8 @@ import pytest
 
 from lightning_drafts.serving.report import EvaluationReport
 from lightning_drafts.workflows.evaluate import evaluate_export
-from tests.families.eagle3.vllm_cases import STEPS, TARGET, mla_module, save_target
-from tests.vllm_subprocess import run_vllm_script
+from tests.families.eagle3.vllm_cases import STEPS, mla_module, save_target
+from tests.vllm_subprocess import vllm_python
 
 PROMPTS = [
     [5, 17, 33, 101, 7],
@@ -29,46 +29,37 @@ MAX_NEW_TOKENS = 48
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def evaluate(export: Path) -> EvaluationReport:
+def evaluate(export: Path, **engine) -> EvaluationReport:
     return evaluate_export(
         export,
         PROMPTS,
         max_new_tokens=MAX_NEW_TOKENS,
         num_steps=STEPS,
-        stop_token_ids=[],  # vLLM runs with ignore_eos
+        stop_token_ids=[],
         with_training_estimate=False,
         check_lossless=True,
+        **engine,
     )
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> tuple[Path, EvaluationReport, dict]:
+def served(tmp_path_factory) -> tuple[Path, EvaluationReport, EvaluationReport]:
     root = tmp_path_factory.mktemp("mla_vllm")
-    target = save_target(root / "target")
-    export = mla_module(target).export(root / "draft")
-    request = {
-        "target": str(target),
-        "draft": str(export),
-        "method": "eagle3",
-        "num_speculative_tokens": STEPS,
-        "prompts": PROMPTS,
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "max_model_len": TARGET["max_position_embeddings"],
-    }
-    return root, evaluate(export), run_vllm_script("vllm_speculative.py", request, root)
+    export = mla_module(save_target(root / "target")).export(root / "draft")
+    return root, evaluate(export), evaluate(export, engine="vllm", vllm_python=vllm_python())
 
 
 def test_vllm_generates_the_built_in_decodes_tokens(served):
     _, ours, vllm = served
-    assert ours.lossless is True
-    assert vllm["generations"] == ours.generations
+    assert ours.lossless is True and vllm.lossless is True
+    assert vllm.generations == ours.generations
 
 
 def test_vllm_verifies_the_same_rounds_and_accepts_the_same_tokens_per_position(served):
     _, ours, vllm = served
-    assert vllm["num_drafts"] == ours.rounds
-    assert vllm["num_draft_tokens"] == STEPS * ours.rounds
-    assert vllm["accepted_per_position"] == ours.served.hits
+    assert vllm.rounds == vllm.engine_info["rounds"] == ours.rounds
+    assert vllm.engine_info["draft_tokens"] == STEPS * ours.rounds
+    assert vllm.served.hits == vllm.engine_info["accepted_per_position"] == ours.served.hits
     # Neither all nor nothing accepted, at every depth: the counts test the draft, not a degenerate case.
     assert 0 < ours.served.hits[-1] <= ours.served.hits[0] < ours.rounds
 
