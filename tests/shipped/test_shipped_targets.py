@@ -75,6 +75,7 @@ def test_the_mask_token_never_occurs_in_text() -> None:
 @pytest.mark.parametrize("name", SHIPPED_TARGETS)
 def test_shipped_targets_learned_the_corpus_and_write_varied_text(name: str, prompts) -> None:
     trained = build_causal_lm(f"shipped:{name}").eval()
+    torch.manual_seed(0)
     random = AutoModelForCausalLM.from_config(trained.config).eval()
     data = PackedChatDataModule(tokenizer=f"shipped:{name}", max_tokens=256, val_fraction=0.02)
     data.setup("validate")
@@ -86,6 +87,8 @@ def test_shipped_targets_learned_the_corpus_and_write_varied_text(name: str, pro
     distinct = [len(set(greedy(trained, p, 64))) for p in prompts]
     distinct_random = [len(set(greedy(random, p, 64))) for p in prompts]
     assert min(distinct) >= 8, distinct
+    # A random target of the same shape (seed 0) repeats a few tokens: 42 / 68 / 12 distinct in all over
+    # these 8 x 64 for Llama / Qwen3 / DeepSeek-V3, against 162 / 169 / 142 for the shipped ones.
     assert sum(distinct) > 2 * sum(distinct_random), (distinct, distinct_random)
 
 
