@@ -39,8 +39,10 @@ architecture: num_anchors, loss weights, decay, layout).
   ships no modelling code, and SpecForge / SGLang build the draft from their own classes. All three
   Markov heads are served (SpecForge ``dspark_heads.py``, SGLang ``models/dspark.py``: vanilla, gated,
   rnn); unfrozen embeddings are refused (the server reuses the target's; export ``layout="nemo"``).
-  Standard SGLang captures features only for ids in ``[0, L - 2]`` (a warning at training time) and
-  refuses ``markov_rank`` 0 (SpecForge builds no head then).
+  Standard SGLang captures features only for ids in ``[0, L - 2]`` (a warning at training time),
+  refuses ``markov_rank`` 0 (SpecForge builds no head then), and builds the confidence head whatever
+  ``enable_confidence_head`` says unless ``SGLANG_RAGGED_VERIFY_MODE=static`` (so an export without one
+  loads there only in that mode).
 
 Serving with SGLang: ``--speculative-algorithm DSPARK --speculative-draft-model-path <export>``; SGLang
 takes gamma (drafted tokens) from ``block_size`` and requires ``--speculative-num-draft-tokens``, when
