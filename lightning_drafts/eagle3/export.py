@@ -8,8 +8,8 @@ Both drafts write ``<dir>/config.json`` and ``<dir>/model.safetensors``.
   ``midlayer.`` as is): ``embed_tokens.weight`` (frozen copy of the target's), ``fc.weight``
   ``[H, 3 H_t]``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
   ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input width ``2H``),
-  ``midlayer.mlp.{gate,up,down}_proj.weight`` (their ``.bias`` only with ``draft_biases=True`` and a target
-  with ``attention_bias`` / ``mlp_bias``: vLLM alone serves those, see
+  ``midlayer.mlp.{gate,up,down}_proj.weight`` (their ``.bias`` where the target has ``attention_bias`` /
+  ``mlp_bias`` and ``draft_biases`` is not False: vLLM alone serves those, see
   :data:`~lightning_drafts.eagle3.layout.BIAS_READERS`; the export warns), ``norm.weight``, ``lm_head.weight``
   ``[V_d, H]``, ``d2t`` (int64 ``[V_d]``, offsets: ``target id = draft id + d2t[draft id]``; the only
   mapping both engines read), ``t2d`` (bool ``[V]``; skipped by the engines, kept for training resume).
@@ -123,7 +123,7 @@ def export_eagle3(module: Eagle3Base, output_dir: str | Path) -> Path:
     biases = bias_tensors(state)
     if biases:
         warnings.warn(
-            f"this draft has decoder-layer biases {biases} (draft_biases=True): {BIAS_READERS}; for those engines "
+            f"this draft has decoder-layer biases {biases} (its target has them): {BIAS_READERS}; for those engines "
             "train with draft_biases=False",
             stacklevel=2,
         )

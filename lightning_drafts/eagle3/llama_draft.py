@@ -44,9 +44,10 @@ class LlamaDraftConfig:
 
     @classmethod
     def from_target(
-        cls, text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool = False
+        cls, text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None = None
     ) -> LlamaDraftConfig:
-        """``biases``: take the target's ``attention_bias`` / ``mlp_bias`` (else the draft has none)."""
+        """``biases``: ``None`` or ``True`` take the target's ``attention_bias`` / ``mlp_bias``; ``False``
+        gives the draft none."""
         heads = text_config.num_attention_heads
         return cls(
             **shared_fields(text_config, vocab_size, draft_vocab_size),
@@ -54,8 +55,8 @@ class LlamaDraftConfig:
             num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
             hidden_act=getattr(text_config, "hidden_act", "silu"),
-            attention_bias=biases and bool(getattr(text_config, "attention_bias", False)),
-            mlp_bias=biases and bool(getattr(text_config, "mlp_bias", False)),
+            attention_bias=biases is not False and bool(getattr(text_config, "attention_bias", False)),
+            mlp_bias=biases is not False and bool(getattr(text_config, "mlp_bias", False)),
             max_position_embeddings=getattr(text_config, "max_position_embeddings", 4096),
         )
 
@@ -108,7 +109,7 @@ class LlamaEagle3Draft(Eagle3Draft):
 
 
 def build_llama_draft(
-    text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool = False
+    text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None = None
 ) -> LlamaEagle3Draft:
     """The dense draft for a target whose text config is ``text_config`` (``biases``: see
     :meth:`LlamaDraftConfig.from_target`)."""

@@ -67,11 +67,12 @@ class Eagle3Base(DraftModule):
             ``alpha = sum_v min(P_teacher, q_draft)``.
         lk_kl_scale: ``"lambda"``'s scale, in [0, 1] (1.0).
         lk_kl_decay: ``"lambda"``'s decay, >= 0 (3.0).
-        draft_biases: give the dense draft's attention / MLP projections biases where the target's have
-            them (its ``attention_bias`` / ``mlp_bias``). Default False, a bias-free draft (its layer is
-            trained from scratch, it need not mirror the target): served alike by vLLM, SGLang and
-            SpecForge. True: only vLLM serves the biases, SGLang's and SpecForge's
-            ``LlamaForCausalLMEagle3`` have none (the export warns). The MLA draft has no biases.
+        draft_biases: whether the dense draft's attention / MLP projections have biases. ``None``
+            (default) follows the target's ``attention_bias`` / ``mlp_bias``, as the reference trainers
+            do (eagle3.md §4), so losses and gradients match theirs; only vLLM serves such biases, SGLang's
+            and SpecForge's ``LlamaForCausalLMEagle3`` have none (the export warns). ``False``: a
+            bias-free draft that vLLM, SGLang and SpecForge all serve as trained. The MLA draft has no
+            biases (``True`` is refused there).
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
@@ -87,12 +88,14 @@ class Eagle3Base(DraftModule):
         lk_loss_type: str | None = None,
         lk_kl_scale: float = 1.0,
         lk_kl_decay: float = 3.0,
-        draft_biases: bool = False,
+        draft_biases: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
-        if not isinstance(draft_biases, bool):
-            raise ValueError(f"draft_biases = {draft_biases!r}; write true or false")
+        if draft_biases is not None and not isinstance(draft_biases, bool):
+            raise ValueError(
+                f"draft_biases = {draft_biases!r}; write true, false or null (follow the target)"
+            )
         _check_gamma(loss_decay_gamma)
         if kwargs.get("activation_checkpointing"):
             raise ValueError(
@@ -133,7 +136,9 @@ class Eagle3Base(DraftModule):
             self.build_vocab_mapping(token_frequencies)
 
     @staticmethod
-    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool) -> Eagle3Draft:
+    def build_draft(
+        text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None
+    ) -> Eagle3Draft:
         """The draft ``nn.Module`` (each subclass picks its architecture; ``biases``: ``draft_biases``)."""
         raise NotImplementedError("use Eagle3Module or MLAEagle3Module")
 
@@ -275,7 +280,9 @@ class Eagle3Module(Eagle3Base):
     """
 
     @staticmethod
-    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool) -> Eagle3Draft:
+    def build_draft(
+        text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None
+    ) -> Eagle3Draft:
         return build_llama_draft(text_config, vocab_size, draft_vocab_size, biases)
 
 
@@ -287,11 +294,13 @@ class MLAEagle3Module(Eagle3Base):
     """
 
     @staticmethod
-    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool) -> Eagle3Draft:
+    def build_draft(
+        text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None
+    ) -> Eagle3Draft:
         if biases:
             raise ValueError(
                 "draft_biases = True, but the MLA draft has no biases (DeepSeek's MLA projections have none); "
-                "leave draft_biases false"
+                "leave draft_biases unset"
             )
         return build_mla_draft(text_config, vocab_size, draft_vocab_size)
 

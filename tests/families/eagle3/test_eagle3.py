@@ -77,9 +77,9 @@ def _exported(module: Eagle3Module, directory) -> tuple[dict, dict]:
 
 def test_a_target_with_biases_gets_a_draft_every_engine_serves(tmp_path):
     """SGLang's and SpecForge's LlamaForCausalLMEagle3 build no q/k/v or MLP biases (SGLang drops such
-    weights silently), so by default the draft has none, whatever the target has; draft_biases=True keeps
-    the target's (vLLM reads attention_bias / mlp_bias) and the export says who cannot serve it."""
-    module = checks.build(Eagle3Module, BIASED_LLAMA)
+    weights silently). By default the draft follows the target as the reference trainers do, and the
+    export says who cannot serve it; draft_biases=False gives a bias-free draft every engine serves."""
+    module = checks.build(Eagle3Module, BIASED_LLAMA, draft_biases=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config, weights = _exported(module, tmp_path / "plain")
@@ -89,15 +89,17 @@ def test_a_target_with_biases_gets_a_draft_every_engine_serves(tmp_path):
     reloaded = load_eagle3(tmp_path / "plain")
     assert reloaded.draft.state_dict().keys() == module.draft.state_dict().keys()
 
-    biased = checks.build(Eagle3Module, BIASED_LLAMA, draft_biases=True)
-    with pytest.warns(
-        UserWarning, match=r"midlayer\.mlp\.down_proj\.bias.*SGLang.*train with draft_biases=False"
-    ):
-        config, weights = _exported(biased, tmp_path / "biased")
-    assert config["attention_bias"] is True and config["mlp_bias"] is True
-    assert sorted(name for name in weights if name.endswith(".bias")) == BIASES
-    assert validate_export(tmp_path / "biased", biased.target).details["sglang_specforge_servable"] is False
-    again = load_eagle3(tmp_path / "biased")  # strict: every bias back in place
+    for biases in (None, True):
+        biased = checks.build(Eagle3Module, BIASED_LLAMA, draft_biases=biases)
+        with pytest.warns(
+            UserWarning, match=r"midlayer\.mlp\.down_proj\.bias.*SGLang.*train with draft_biases=False"
+        ):
+            config, weights = _exported(biased, tmp_path / f"biased-{biases}")
+        assert config["attention_bias"] is True and config["mlp_bias"] is True
+        assert sorted(name for name in weights if name.endswith(".bias")) == BIASES
+        details = validate_export(tmp_path / f"biased-{biases}", biased.target).details
+        assert details["sglang_specforge_servable"] is False
+    again = load_eagle3(tmp_path / "biased-True")  # strict: every bias back in place
     for name, value in biased.draft.state_dict().items():
         assert torch.equal(again.draft.state_dict()[name], value), name
     # A target without biases gives none either way.
@@ -107,7 +109,7 @@ def test_a_target_with_biases_gets_a_draft_every_engine_serves(tmp_path):
         if n.endswith(".bias")
     ]
 
-    with pytest.raises(ValueError, match="draft_biases = 'yes'; write true or false"):
+    with pytest.raises(ValueError, match="draft_biases = 'yes'; write true, false or null"):
         Eagle3Module(LLAMA, draft_biases="yes")
     with pytest.raises(ValueError, match="draft_biases = True, but the MLA draft has no biases"):
         MLAEagle3Module(TINY_TARGETS["deepseek_v3"], draft_biases=True)
