@@ -9,12 +9,14 @@ V = vocabulary, H = hidden size, F = ``len(target_layer_ids)``, r = ``markov_ran
   ``[head_dim]``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
   ``layers.N.{input,post_attention}_layernorm.weight`` ``[H]`` (Qwen3 shapes); ``norm.weight`` ``[H]``;
   ``fc.weight`` ``[H, F * H]``; ``hidden_norm.weight`` ``[H]``; ``markov_head.markov_w1.weight``
-  ``[V, r]``; ``markov_head.markov_w2.weight`` ``[V, r]`` (a Linear r -> V);
+  ``[V, r]``; ``markov_head.markov_w2.weight`` ``[V, r]`` (a Linear r -> V); the gated head's
+  ``markov_head.gate_proj.weight`` ``[r, H + r]`` / ``.bias`` ``[r]`` (input: slot state, then the
+  previous token's latent), the rnn head's ``markov_head.joint_proj.weight`` ``[3 r, 2 r + H]`` /
+  ``.bias`` ``[3 r]`` (input: state, latent, slot state; output: gate, candidate, output);
   ``confidence_head.proj.weight`` ``[1, H (+ r with confidence_head_with_markov)]``,
   ``confidence_head.proj.bias`` ``[1]``;
 * ``nemo`` only: ``embed_tokens.weight`` and ``lm_head.weight`` ``[V, H]`` (the frozen copies of the
-  target's), and the gated / rnn Markov extras ``markov_head.gate_proj.{weight,bias}`` /
-  ``markov_head.joint_proj.{weight,bias}``. SpecForge's server reuses the target's embedding and head.
+  target's). SpecForge's and SGLang's servers reuse the target's embedding and head.
 
 ``config.json``, both layouts: the draft's Qwen3 fields (``vocab_size``, ``hidden_size``,
 ``intermediate_size``, ``num_hidden_layers`` = draft layers, ``num_attention_heads``,
@@ -29,17 +31,23 @@ architecture: num_anchors, loss weights, decay, layout).
 * ``nemo``: ``architectures`` ``["Qwen3DSparkModel"]``; top level ``target_layer_ids`` (NeMo's -1 /
   L - 1 convention), ``num_anchors``, ``mask_token_id``, ``markov_rank``, ``markov_head_type``,
   ``enable_confidence_head``, ``confidence_head_with_markov``.
-* ``specforge``: ``architectures`` ``["DSparkDraftModel"]``, ``auto_map`` ``{"AutoModel":
-  "dspark.DSparkDraftModel"}``, ``is_causal`` false; ``dflash_config`` = ``{attention_mode: "gqa",
-  mask_token_id, target_layer_ids, projector_type: "dspark", markov_rank, markov_head_type,
-  confidence_head_alpha, enable_confidence_head, confidence_head_with_markov}``; the Markov /
-  confidence fields are repeated at the top level, where SpecForge's ``DSparkConfig`` reads them.
-  SpecForge implements only the vanilla Markov head, and the server reuses the target's embedding and
-  LM head, so a gated / rnn head or unfrozen embeddings are refused (export ``layout="nemo"`` instead);
-  standard SGLang captures features only for ids in ``[0, L - 2]`` (a warning at training time).
+* ``specforge``: ``architectures`` ``["DSparkDraftModel"]``, ``is_causal`` false; ``dflash_config`` =
+  ``{attention_mode: "gqa", mask_token_id, target_layer_ids, projector_type: "dspark", markov_rank,
+  markov_head_type, confidence_head_alpha, enable_confidence_head, confidence_head_with_markov}``; the
+  Markov / confidence fields are repeated at the top level, where SpecForge's ``DSparkConfig`` and SGLang's
+  ``parse_dspark_draft_config`` (after an absent ``dspark_config``) read them. No ``auto_map``: the export
+  ships no modelling code, and SpecForge / SGLang build the draft from their own classes. All three
+  Markov heads are served (SpecForge ``dspark_heads.py``, SGLang ``models/dspark.py``: vanilla, gated,
+  rnn); unfrozen embeddings are refused (the server reuses the target's; export ``layout="nemo"``).
+  Standard SGLang captures features only for ids in ``[0, L - 2]`` (a warning at training time),
+  refuses ``markov_rank`` 0 (SpecForge builds no head then), and builds the confidence head whatever
+  ``enable_confidence_head`` says unless ``SGLANG_RAGGED_VERIFY_MODE=static`` (so an export without one
+  loads there only in that mode).
 
-The serving flags (e.g. SGLang ``--speculative-algorithm DSPARK``) and engine-side readers were not
-run here; the layout follows dspark.md §13 and SpecForge's ``DSparkDraftModel`` source.
+Serving with SGLang: ``--speculative-algorithm DSPARK --speculative-draft-model-path <export>``; SGLang
+takes gamma (drafted tokens) from ``block_size`` and requires ``--speculative-num-draft-tokens``, when
+given, to be ``block_size + 1`` (its verify window: the anchor plus K proposals). Not run here: the
+layout follows the SpecForge / SGLang loaders' source (see tests/families/dspark/test_dspark_export.py).
 """
 
 from __future__ import annotations
@@ -79,7 +87,6 @@ def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dic
         )
     else:
         config.update(
-            auto_map={"AutoModel": "dspark.DSparkDraftModel"},
             is_causal=False,
             dflash_config={
                 "attention_mode": "gqa",
@@ -134,13 +141,7 @@ def export_draft(
 
 
 def _unservable_reason(module: DSparkModule) -> str | None:
-    """Why SpecForge's ``DSparkDraftModel`` cannot serve this draft, or None."""
-    head = module.draft.markov_head
-    if head is not None and head.head_type != "vanilla":
-        return (
-            f"SpecForge's DSparkDraftModel implements only the vanilla Markov head, this draft has a "
-            f"{head.head_type!r} one"
-        )
+    """Why SpecForge's / SGLang's ``DSparkDraftModel`` cannot serve this draft, or None."""
     trained = [key for key in TARGET_COPIES if module.draft.get_parameter(key).requires_grad]
     if trained:
         return (

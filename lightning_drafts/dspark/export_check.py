@@ -13,7 +13,7 @@ server reuses the target's); NeMo's ``Qwen3DSparkModel`` layout ships frozen cop
   top level; SpecForge nests ``mask_token_id`` / ``target_layer_ids`` / the head settings under
   ``dflash_config`` (with ``projector_type: "dspark"``, ``attention_mode: "gqa"``, ``is_causal: false``)
   and repeats the head settings at the top level, where its ``DSparkConfig`` reads them, so the two must
-  agree; SpecForge implements only the vanilla Markov head;
+  agree; both loaders build all three Markov heads (vanilla, gated, rnn);
 * ``model.safetensors``: exactly the tensors of the draft the config describes, with its shapes (e.g. a
   dropped ``fc.weight`` or ``markov_head.markov_w2.weight``); one dtype matching ``torch_dtype``; all
   finite; no matrix constant (zeroed or never written); not every RMSNorm gain still exactly 1 and no
@@ -153,12 +153,7 @@ def _check_heads(
     """The Markov / confidence settings (read from the top level, as both loaders do)."""
     heads = {name: config.get(name) for name in HEAD_FIELDS}
     MARKOV_RANK.report_field(defects, heads)
-    head_type = heads["markov_head_type"]
-    if MARKOV_HEAD_TYPE.report_field(defects, heads) and layout == "specforge" and head_type != "vanilla":
-        defects.add(
-            "markov_head_type",
-            f"is {head_type!r}; SpecForge's DSparkDraftModel implements only 'vanilla' (export layout='nemo')",
-        )
+    MARKOV_HEAD_TYPE.report_field(defects, heads)
     for name in ("enable_confidence_head", "confidence_head_with_markov"):
         if not isinstance(heads[name], bool):
             defects.add(name, f"is {heads[name]!r}; write true or false")

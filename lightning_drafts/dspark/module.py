@@ -302,7 +302,7 @@ class DSparkModule(DraftModule):
         """Write the draft to ``output_dir``: ``layout="specforge"`` is the SpecForge / SGLang
         ``DSparkDraftModel`` serving layout, ``"nemo"`` NeMo's self-contained ``Qwen3DSparkModel`` layout
         (with the embedding / LM head copies); None (default) takes SpecForge's when the draft fits it
-        (vanilla Markov head, frozen copies), else NeMo's with a warning. Both reload with
+        (frozen embedding / LM head copies; any Markov head), else NeMo's with a warning. Both reload with
         :meth:`load_exported`."""
         return export_draft(self, Path(output_dir), layout=layout)
 

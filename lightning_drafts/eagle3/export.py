@@ -7,8 +7,10 @@ Both drafts write ``<dir>/config.json`` and ``<dir>/model.safetensors``.
 * Weights (no ``model.`` prefix; vLLM adds it and renames ``midlayer.`` to ``layers.0.``, SGLang reads
   ``midlayer.`` as is): ``embed_tokens.weight`` (frozen copy of the target's), ``fc.weight``
   ``[H, 3 H_t]``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
-  ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input width ``2H``; ``.bias`` iff the target has
-  ``attention_bias``), ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``
+  ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input width ``2H``),
+  ``midlayer.mlp.{gate,up,down}_proj.weight`` (their ``.bias`` where the target has ``attention_bias`` /
+  ``mlp_bias`` and ``draft_biases`` is not False: vLLM alone serves those, see
+  :data:`~lightning_drafts.eagle3.layout.BIAS_READERS`; the export warns), ``norm.weight``, ``lm_head.weight``
   ``[V_d, H]``, ``d2t`` (int64 ``[V_d]``, offsets: ``target id = draft id + d2t[draft id]``; the only
   mapping both engines read), ``t2d`` (bool ``[V]``; skipped by the engines, kept for training resume).
 * ``config.json``: a Llama config of one layer (``num_hidden_layers: 1``) with the target's head layout,
@@ -59,9 +61,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_drafts.eagle3.export_check import validate_eagle3_export
 from lightning_drafts.eagle3.layout import (
+    BIAS_READERS,
     DENSE_ARCHITECTURE,
     MLA_ARCHITECTURE,
     MLA_MODEL_TYPE,
+    bias_tensors,
     layer_id_fields,
 )
 from lightning_drafts.eagle3.mla_draft import MLAEagle3Draft
@@ -115,10 +119,18 @@ def export_eagle3(module: Eagle3Base, output_dir: str | Path) -> Path:
             "q_lora_rank); `lightning-drafts evaluate` serves the export, vLLM refuses it",
             stacklevel=2,
         )
+    state = module.draft.state_dict()
+    biases = bias_tensors(state)
+    if biases:
+        warnings.warn(
+            f"this draft has decoder-layer biases {biases} (its target has them): {BIAS_READERS}; for those engines "
+            "train with draft_biases=False",
+            stacklevel=2,
+        )
     return write_export(
         output_dir,
         serving_config(module),
-        module.draft.state_dict(),
+        state,
         check=lambda directory: validate_eagle3_export(directory, target=module.target),
     )
 

@@ -32,6 +32,7 @@ from lightning_drafts.eagle3.layout import (
     INIT_CHECKED_TENSORS,
     MLA_ARCHITECTURE,
     MLA_MODEL_TYPE,
+    bias_tensors,
 )
 from lightning_drafts.eagle3.llama_draft import LlamaDraftConfig, LlamaEagle3Draft
 from lightning_drafts.eagle3.mla_draft import MLADraftConfig, MLAEagle3Draft
@@ -93,6 +94,8 @@ def validate_eagle3_export(directory: str | Path, target: FrozenTarget | None = 
             "rope_theta": config["rope_theta"],
             "rope_scaling": config["rope_scaling"],
             "ttt_length": config[RECORD].get("ttt_length"),
+            # False where only vLLM serves the draft as trained (see layout.BIAS_READERS).
+            "sglang_specforge_servable": not bias_tensors(files.shapes),
         },
     )
 

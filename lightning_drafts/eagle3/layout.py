@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 DENSE_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -32,3 +33,18 @@ def layer_id_fields(target_layer_ids: list[int]) -> dict[str, Any]:
             "use_aux_hidden_state": True,
         },
     }
+
+
+# Who serves a draft with biases in its decoder layer, from the engines' source: vLLM's llama_eagle3
+# builds q/k/v and o_proj biases from ``attention_bias`` and MLP biases from ``mlp_bias``; SGLang's
+# LlamaForCausalLMEagle3 overrides qkv_proj with bias=False, builds its MLP without biases and skips
+# checkpoint weights it has no parameter for; SpecForge's builds every projection without bias.
+BIAS_READERS = (
+    "vLLM reads attention_bias / mlp_bias and serves them, but SGLang's and SpecForge's LlamaForCausalLMEagle3 "
+    "build no q/k/v or MLP biases (SGLang drops those weights silently and serves a different draft)"
+)
+
+
+def bias_tensors(names: Iterable[str]) -> list[str]:
+    """The decoder-layer bias tensors among ``names`` (what only vLLM of the EAGLE-3 engines reads fully)."""
+    return sorted(name for name in names if name.startswith("midlayer.") and name.endswith(".bias"))

@@ -43,7 +43,11 @@ class LlamaDraftConfig:
     initializer_range: float
 
     @classmethod
-    def from_target(cls, text_config: Any, vocab_size: int, draft_vocab_size: int) -> LlamaDraftConfig:
+    def from_target(
+        cls, text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None = None
+    ) -> LlamaDraftConfig:
+        """``biases``: ``None`` or ``True`` take the target's ``attention_bias`` / ``mlp_bias``; ``False``
+        gives the draft none."""
         heads = text_config.num_attention_heads
         return cls(
             **shared_fields(text_config, vocab_size, draft_vocab_size),
@@ -51,8 +55,8 @@ class LlamaDraftConfig:
             num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
             hidden_act=getattr(text_config, "hidden_act", "silu"),
-            attention_bias=bool(getattr(text_config, "attention_bias", False)),
-            mlp_bias=bool(getattr(text_config, "mlp_bias", False)),
+            attention_bias=biases is not False and bool(getattr(text_config, "attention_bias", False)),
+            mlp_bias=biases is not False and bool(getattr(text_config, "mlp_bias", False)),
             max_position_embeddings=getattr(text_config, "max_position_embeddings", 4096),
         )
 
@@ -104,7 +108,10 @@ class LlamaEagle3Draft(Eagle3Draft):
         super().__init__(config, Eagle3DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp))
 
 
-def build_llama_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> LlamaEagle3Draft:
-    """The dense draft for a target whose text config is ``text_config``."""
-    config = LlamaDraftConfig.from_target(text_config, vocab_size, draft_vocab_size)
+def build_llama_draft(
+    text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None = None
+) -> LlamaEagle3Draft:
+    """The dense draft for a target whose text config is ``text_config`` (``biases``: see
+    :meth:`LlamaDraftConfig.from_target`)."""
+    config = LlamaDraftConfig.from_target(text_config, vocab_size, draft_vocab_size, biases)
     return LlamaEagle3Draft(config, llama_rope_table(text_config))

@@ -67,6 +67,12 @@ class Eagle3Base(DraftModule):
             ``alpha = sum_v min(P_teacher, q_draft)``.
         lk_kl_scale: ``"lambda"``'s scale, in [0, 1] (1.0).
         lk_kl_decay: ``"lambda"``'s decay, >= 0 (3.0).
+        draft_biases: whether the dense draft's attention / MLP projections have biases. ``None``
+            (default) follows the target's ``attention_bias`` / ``mlp_bias``, as the reference trainers
+            do (eagle3.md §4), so losses and gradients match theirs; only vLLM serves such biases, SGLang's
+            and SpecForge's ``LlamaForCausalLMEagle3`` have none (the export warns). ``False``: a
+            bias-free draft that vLLM, SGLang and SpecForge all serve as trained. The MLA draft has no
+            biases (``True`` is refused there).
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
@@ -82,9 +88,14 @@ class Eagle3Base(DraftModule):
         lk_loss_type: str | None = None,
         lk_kl_scale: float = 1.0,
         lk_kl_decay: float = 3.0,
+        draft_biases: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
+        if draft_biases is not None and not isinstance(draft_biases, bool):
+            raise ValueError(
+                f"draft_biases = {draft_biases!r}; write true, false or null (follow the target)"
+            )
         _check_gamma(loss_decay_gamma)
         if kwargs.get("activation_checkpointing"):
             raise ValueError(
@@ -112,7 +123,9 @@ class Eagle3Base(DraftModule):
                 "EAGLE-3 needs one vocabulary for both"
             )
         draft_size = check_draft_vocab_size(draft_vocab_size, vocab_size)
-        self.draft: Eagle3Draft = self.build_draft(self.target.text_config, vocab_size, draft_size)
+        self.draft: Eagle3Draft = self.build_draft(
+            self.target.text_config, vocab_size, draft_size, draft_biases
+        )
         self.draft.copy_embeddings(self.target.input_embeddings.weight)
         # The export validator proves the LM head moved away from this init (see export_check).
         self.init_fingerprints = initial_fingerprints(self.draft, INIT_CHECKED_TENSORS)
@@ -123,8 +136,10 @@ class Eagle3Base(DraftModule):
             self.build_vocab_mapping(token_frequencies)
 
     @staticmethod
-    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> Eagle3Draft:
-        """The draft ``nn.Module`` (each subclass picks its architecture)."""
+    def build_draft(
+        text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None
+    ) -> Eagle3Draft:
+        """The draft ``nn.Module`` (each subclass picks its architecture; ``biases``: ``draft_biases``)."""
         raise NotImplementedError("use Eagle3Module or MLAEagle3Module")
 
     @property
@@ -265,8 +280,10 @@ class Eagle3Module(Eagle3Base):
     """
 
     @staticmethod
-    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> Eagle3Draft:
-        return build_llama_draft(text_config, vocab_size, draft_vocab_size)
+    def build_draft(
+        text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None
+    ) -> Eagle3Draft:
+        return build_llama_draft(text_config, vocab_size, draft_vocab_size, biases)
 
 
 class MLAEagle3Module(Eagle3Base):
@@ -277,7 +294,14 @@ class MLAEagle3Module(Eagle3Base):
     """
 
     @staticmethod
-    def build_draft(text_config: Any, vocab_size: int, draft_vocab_size: int) -> Eagle3Draft:
+    def build_draft(
+        text_config: Any, vocab_size: int, draft_vocab_size: int, biases: bool | None
+    ) -> Eagle3Draft:
+        if biases:
+            raise ValueError(
+                "draft_biases = True, but the MLA draft has no biases (DeepSeek's MLA projections have none); "
+                "leave draft_biases unset"
+            )
         return build_mla_draft(text_config, vocab_size, draft_vocab_size)
 
 

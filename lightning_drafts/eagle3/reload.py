@@ -60,6 +60,9 @@ def load_eagle3(directory: str | Path, target: Any = None, **overrides: Any) -> 
         "draft_vocab_size": record["draft_vocab_size"],
         "loss_decay_gamma": record["loss_decay_gamma"],
         "target_seed": record.get("target_seed", 0),
+        # The dense config says whether the draft had biases (exports before draft_biases had them wherever
+        # the target did); the MLA config has neither field.
+        "draft_biases": bool(config.get("attention_bias") or config.get("mlp_bias")),
         **overrides,
     }
     module = DRAFT_CLASSES[record["draft_class"]](target=target, **arguments)

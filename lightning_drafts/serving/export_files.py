@@ -177,7 +177,31 @@ def open_export(directory: str | Path, architectures: Collection[str], kind: str
             f"{files.directory / CONFIG_FILE}: architectures[0] = {architecture!r} is not {kind} layout "
             f"({sorted(architectures)})"
         )
+    missing = missing_remote_code(files.config, files.directory)
+    if missing:
+        raise ValueError(
+            f"{files.directory / CONFIG_FILE}: auto_map names code files the export does not contain "
+            f"({missing}); transformers' AutoModel with trust_remote_code would fail to load it: ship the "
+            "files or drop auto_map"
+        )
     return files, architecture
+
+
+def missing_remote_code(config: Mapping[str, Any], directory: Path) -> list[str]:
+    """The ``<module>.py`` files ``config["auto_map"]`` points at that ``directory`` lacks.
+
+    transformers resolves ``"module.Class"`` to ``<directory>/module.py``; a ``"repo--module.Class"``
+    reference lives in another repository and is not looked for here."""
+    auto_map = config.get("auto_map") or {}
+    references = []
+    for value in auto_map.values() if isinstance(auto_map, Mapping) else [auto_map]:
+        references += value if isinstance(value, list) else [value]
+    files = {
+        reference.rsplit(".", 1)[0] + ".py"
+        for reference in references
+        if isinstance(reference, str) and "--" not in reference
+    }
+    return sorted(name for name in files if not (directory / name).is_file())
 
 
 def architecture_of(config: dict[str, Any], directory: Path) -> str:

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.families.dspark.cases import MASK, trained_module
+from tests.block_draft_cases import perturb
+from tests.families.dspark.cases import MASK, make, trained_module
 from tests.families.eagle3 import vllm_cases
 from tests.vllm_subprocess import run_vllm_script
 
+GATED = "dspark-specforge-gated"  # loaded, not compared with CASES: vLLM refuses it
 # Training-only tensors vLLM's loaders skip by name.
 SKIPPED_BY_VLLM = {"t2d"}
 
@@ -82,12 +84,15 @@ def checked(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     dspark = trained_module()
     dspark.target.model.save_pretrained(root / "qwen3")
     mla_target = vllm_cases.save_target(root / "deepseek_v3")
+    gated = make(dspark.target.model, markov_head_type="gated")
+    perturb(gated)
     exports = {
         "dspark-specforge": dspark.export(root / "dspark-specforge", layout="specforge"),
         "dspark-nemo": dspark.export(root / "dspark-nemo", layout="nemo"),
         "mla_eagle3": vllm_cases.mla_module(mla_target).export(root / "mla_eagle3"),
+        GATED: gated.export(root / GATED, layout="specforge"),
     }
-    targets = {"dspark-specforge": root / "qwen3", "dspark-nemo": root / "qwen3", "mla_eagle3": mla_target}
+    targets = {case: root / "qwen3" for case in exports} | {"mla_eagle3": mla_target}
     requests = [
         {
             "target": str(targets[case]),
@@ -97,11 +102,18 @@ def checked(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
             "num_speculative_tokens": vllm_cases.STEPS if case == "mla_eagle3" else None,
             "max_model_len": 256,
         }
-        for case in CASES
+        for case in exports
     ]
     results = run_vllm_script("vllm_static_layout.py", requests, root)
-    configs = [json.loads((Path(exports[case]) / "config.json").read_text()) for case in CASES]
-    return {case: (config, result) for case, config, result in zip(CASES, configs, results, strict=True)}
+    configs = [json.loads((Path(exports[case]) / "config.json").read_text()) for case in exports]
+    return {case: (config, result) for case, config, result in zip(exports, configs, results, strict=True)}
+
+
+def test_vllm_refuses_a_gated_markov_head_at_load(checked):
+    """vLLM 0.32's Qwen3DSparkForCausalLM builds only the vanilla Markov head (SpecForge and SGLang build
+    gated / rnn ones too): it refuses the gated head's weights loudly rather than serving without them."""
+    _, result = checked[GATED]
+    assert "no module or parameter named 'markov_head.gate_up_proj'" in result["load_error"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,13 +24,14 @@ pytestmark = [
 RUNS = [
     pytest.param(family, CASES[cls], {}, id=cls.__name__) for family in FAMILIES for cls in family.modules
 ]
-# A draft SGLang's DSparkDraftModel cannot serve (a gated Markov head) is served from NeMo's layout.
+# A draft SGLang's DSparkDraftModel cannot serve (its own embedding / LM head copies, trained) is served
+# from NeMo's layout.
 RUNS.append(
     pytest.param(
         REGISTRY.for_architecture("DSparkDraftModel"),
         CASES[DSparkModule],
-        {"markov_head_type": "gated"},
-        id="DSparkModule-gated-head-nemo-layout",
+        {"freeze_embeddings": False},
+        id="DSparkModule-unfrozen-embeddings-nemo-layout",
     )
 )
 
@@ -40,6 +41,10 @@ def test_the_callback_logs_served_acceptance_beside_the_training_estimate(
     family, case: FamilyCase, options, tmp_path
 ):
     module = case.build(TINY_TARGETS[case.targets[0]], **options)
+    if options.get("freeze_embeddings") is False:
+        # The build perturbs every trainable weight; unfrozen copies must start as the target's again.
+        target = module.target
+        module.draft.copy_target_weights(target.input_embeddings.weight, target.lm_head.weight, freeze=False)
     callback = ServedAcceptanceCallback(num_prompts=3, max_new_tokens=6)
     trainer = L.Trainer(
         max_steps=2,

@@ -70,6 +70,12 @@ def _nan(tensors: dict) -> None:
 
 # name -> (config edit, tensor edit, message); ``{ids}`` is "dflash_config." or "" by layout.
 BROKEN_EXPORTS = {
+    # What the SpecForge layout used to write: AutoModel with trust_remote_code would look for dspark.py.
+    "auto_map without its code": (
+        _top(auto_map={"AutoModel": "dspark.DSparkDraftModel"}),
+        None,
+        r"auto_map names code files the export does not contain \(\['dspark\.py'\]\)",
+    ),
     "layer ids shifted past the target": (
         _shift_layer_ids,
         None,
@@ -138,10 +144,11 @@ BROKEN_EXPORTS = {
     "NaN weight": (None, _nan, r"norm\.weight: holds NaN"),
 }
 SPECFORGE_BROKEN_EXPORTS = {
-    "gated markov head": (
+    # A gated head is served (SpecForge's and SGLang's loaders build it), so its weights must be there.
+    "gated markov head without its gate": (
         lambda c: [c.update(markov_head_type="gated"), c["dflash_config"].update(markov_head_type="gated")],
         None,
-        r"markov_head_type: is 'gated'; SpecForge's DSparkDraftModel implements only 'vanilla'",
+        r"markov_head\.gate_proj\.weight: missing",
     ),
     "head settings disagree": (
         lambda c: c["dflash_config"].update(markov_rank=16),
@@ -205,7 +212,8 @@ def test_an_untrained_export_is_refused(layout, tmp_path):
 CONSISTENCY = [
     ("specforge", {}),
     ("nemo", {"markov_head_type": "gated", "target_layer_ids": [-1, 3, LAST_LAYER]}),
-    ("nemo", {"markov_head_type": "rnn", "confidence_head_with_markov": False}),
+    ("specforge", {"markov_head_type": "gated"}),
+    ("specforge", {"markov_head_type": "rnn", "confidence_head_with_markov": False}),
     ("specforge", {"markov_rank": 0, "confidence_head_alpha": 0.0, "target_layer_ids": [2, 5]}),
 ]
 
@@ -213,7 +221,13 @@ CONSISTENCY = [
 @pytest.mark.parametrize(
     ("layout", "options"),
     CONSISTENCY,
-    ids=["specforge-vanilla", "nemo-gated-embedding-feature", "nemo-rnn", "specforge-no-heads"],
+    ids=[
+        "specforge-vanilla",
+        "nemo-gated-embedding-feature",
+        "specforge-gated",
+        "specforge-rnn",
+        "specforge-no-heads",
+    ],
 )
 def test_the_served_block_equals_the_training_modules_block(layout, options, tmp_path):
     """From the exported files, fed the true prefix, the speculator's block equals the training module's

@@ -4,13 +4,19 @@ round trip: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from lightning_drafts import Eagle3Module
+from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.attention.backends import block_causal_mask
 from lightning_drafts.eagle3 import build_vocab_mapping, count_supervised_tokens
+from lightning_drafts.eagle3.reload import load_eagle3
 from lightning_drafts.eagle3.ttt import TTTCache, step_weights, ttt_attention
+from lightning_drafts.workflows.export import validate_export
 from tests import eagle3_checks as checks
 from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs
 
@@ -52,6 +58,61 @@ def test_export_round_trips_in_the_llama_eagle3_serving_layout(tmp_path):
     assert weights["fc.weight"].shape == (hidden, 3 * hidden)
     assert weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * hidden
     assert weights["lm_head.weight"].shape == (48, hidden)
+
+
+# A Llama target with attention and MLP biases (as Qwen2-style checkpoints converted to Llama have).
+BIASED_LLAMA = {**LLAMA, "attention_bias": True, "mlp_bias": True}
+BIASES = sorted(
+    [f"midlayer.self_attn.{p}_proj.bias" for p in "qkvo"]
+    + [f"midlayer.mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+)
+
+
+def _exported(module: Eagle3Module, directory) -> tuple[dict, dict]:
+    with torch.no_grad():
+        module.draft.lm_head.weight.mul_(1.5)  # off its init, which the validator refuses
+    path = module.export(directory)
+    return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+
+
+def test_a_target_with_biases_gets_a_draft_every_engine_serves(tmp_path):
+    """SGLang's and SpecForge's LlamaForCausalLMEagle3 build no q/k/v or MLP biases (SGLang drops such
+    weights silently). By default the draft follows the target as the reference trainers do, and the
+    export says who cannot serve it; draft_biases=False gives a bias-free draft every engine serves."""
+    module = checks.build(Eagle3Module, BIASED_LLAMA, draft_biases=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config, weights = _exported(module, tmp_path / "plain")
+    assert config["attention_bias"] is False and config["mlp_bias"] is False
+    assert not [name for name in weights if name.endswith(".bias")]
+    assert validate_export(tmp_path / "plain", module.target).details["sglang_specforge_servable"] is True
+    reloaded = load_eagle3(tmp_path / "plain")
+    assert reloaded.draft.state_dict().keys() == module.draft.state_dict().keys()
+
+    for biases in (None, True):
+        biased = checks.build(Eagle3Module, BIASED_LLAMA, draft_biases=biases)
+        with pytest.warns(
+            UserWarning, match=r"midlayer\.mlp\.down_proj\.bias.*SGLang.*train with draft_biases=False"
+        ):
+            config, weights = _exported(biased, tmp_path / f"biased-{biases}")
+        assert config["attention_bias"] is True and config["mlp_bias"] is True
+        assert sorted(name for name in weights if name.endswith(".bias")) == BIASES
+        details = validate_export(tmp_path / f"biased-{biases}", biased.target).details
+        assert details["sglang_specforge_servable"] is False
+    again = load_eagle3(tmp_path / "biased-True")  # strict: every bias back in place
+    for name, value in biased.draft.state_dict().items():
+        assert torch.equal(again.draft.state_dict()[name], value), name
+    # A target without biases gives none either way.
+    assert not [
+        n
+        for n in checks.build(Eagle3Module, LLAMA, draft_biases=True).draft.state_dict()
+        if n.endswith(".bias")
+    ]
+
+    with pytest.raises(ValueError, match="draft_biases = 'yes'; write true, false or null"):
+        Eagle3Module(LLAMA, draft_biases="yes")
+    with pytest.raises(ValueError, match="draft_biases = True, but the MLA draft has no biases"):
+        MLAEagle3Module(TINY_TARGETS["deepseek_v3"], draft_biases=True)
 
 
 def test_trains_in_a_lightning_trainer(tmp_path):
