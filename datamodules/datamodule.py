@@ -23,7 +23,7 @@ from lightning_drafts.datamodules.embedded import (
     embedded_corpus_fingerprint,
     load_embedded_tokenizer,
 )
-from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, ResumableLoader
+from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, PlanOrder, ResumableLoader
 from lightning_drafts.datamodules.packing import resolve_packing
 from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
 from lightning_drafts.datamodules.templates import resolve_chat_template
@@ -325,7 +325,7 @@ class PackedChatDataModule(LightningDataModule):
             return []
         world_size, rank = self._world()
         dataset = self._dataset(self.val_documents, shuffle=False, world_size=world_size, rank=rank)
-        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
+        return DataLoader(dataset, batch_size=None, sampler=PlanOrder(dataset), num_workers=self.num_workers)
 
     def _dataset(
         self, documents: Documents, *, shuffle: bool, world_size: int, rank: int

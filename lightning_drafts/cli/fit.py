@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.module import DraftModule
@@ -19,6 +23,19 @@ class DraftCLI(LightningCLI):
             "data.vocab_size", "model.init_args.tokenizer_vocab_size", apply_on="instantiate"
         )
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # Lightning's default bar shows the run's version as a metric and "Epoch 0/-2" for a run bounded
+        # by max_steps; ours does neither. A bar the config names, or enable_progress_bar: false, wins.
+        trainer = (self.config_init[self.subcommand] if self.subcommand else self.config_init).get(
+            "trainer"
+        ) or {}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        wanted = trainer.get("enable_progress_bar") is not False and "callbacks" not in kwargs
+        if wanted and not any(isinstance(callback, ProgressBar) for callback in callbacks):
+            kwargs["callbacks"] = [*callbacks, console_progress_bar()]
+        return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -7,7 +7,6 @@ builds the optimiser, and keeps the target out of checkpoints. A family subclass
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,6 @@ from lightning_drafts.training.target import FrozenTarget, TargetSpec, as_dtype
 TARGET_PREFIX = "target."
 # The digest of a checkpoint's draft tensors, checked on every load (resume, validate, export).
 DIGEST_KEY = "draft_digest"
-
-# The frozen target is in eval mode on purpose (FrozenTarget.train keeps it there).
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 class DraftModule(L.LightningModule):
