@@ -26,6 +26,8 @@ class ChatRows:
     """The rows read from some files, the malformed ones by reason, and where the first of each was."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
+    # ``file:line`` (or ``file[i]``) of each kept row, for messages about rows found malformed later.
+    where: list[str] = field(default_factory=list)
     malformed: Counter = field(default_factory=Counter)
     first_seen: dict[str, str] = field(default_factory=dict)
 
@@ -124,3 +126,4 @@ def _keep(row: Any, where: str, read: ChatRows, strict: bool) -> None:
         )
         return
     read.rows.append(row)
+    read.where.append(where)

@@ -24,11 +24,13 @@ SHAREGPT_ROLES = {
 
 
 class MalformedRow(Exception):
-    """A row that cannot be trained on; ``reason`` is the short label it is counted under."""
+    """A row that cannot be trained on; ``reason`` is the short label it is counted under, ``field`` the
+    part of the row at fault (e.g. ``messages[2].role``; empty when it is the whole row)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, field: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.field = field
 
 
 def normalize_conversation(row: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -38,46 +40,46 @@ def normalize_conversation(row: Mapping[str, Any]) -> list[dict[str, str]]:
     without an assistant turn (nothing to supervise).
     """
     if row.get("messages") is not None:
-        turns = _as_list(row["messages"])
-        messages = [_openai_message(turn) for turn in turns]
+        key, read = "messages", _openai_message
     elif row.get("conversations") is not None:
-        turns = _as_list(row["conversations"])
-        messages = [_sharegpt_message(turn) for turn in turns]
+        key, read = "conversations", _sharegpt_message
     else:
         raise MalformedRow("no 'messages' or 'conversations' field")
+    turns = _as_list(row[key], key)
+    messages = [read(turn, f"{key}[{index}]") for index, turn in enumerate(turns)]
     if not messages:
-        raise MalformedRow("empty conversation")
+        raise MalformedRow("empty conversation", key)
     if not any(message["role"] == "assistant" for message in messages):
-        raise MalformedRow("no assistant turn")
+        raise MalformedRow("no assistant turn", f"{key}[*].{'role' if key == 'messages' else 'from'}")
     return messages
 
 
-def _as_list(value: Any) -> list:
+def _as_list(value: Any, field: str) -> list:
     if not isinstance(value, (list, tuple)):
-        raise MalformedRow("conversation is not a list")
+        raise MalformedRow("conversation is not a list", field)
     return list(value)
 
 
-def _openai_message(turn: Any) -> dict[str, str]:
+def _openai_message(turn: Any, field: str) -> dict[str, str]:
     if not isinstance(turn, Mapping):
-        raise MalformedRow("message is not an object")
+        raise MalformedRow("message is not an object", field)
     role = turn.get("role")
     if role not in ROLES:
-        raise MalformedRow(f"unknown role {role!r}")
-    return {"role": role, "content": _content(turn.get("content"))}
+        raise MalformedRow(f"unknown role {role!r}", f"{field}.role")
+    return {"role": role, "content": _content(turn.get("content"), f"{field}.content")}
 
 
-def _sharegpt_message(turn: Any) -> dict[str, str]:
+def _sharegpt_message(turn: Any, field: str) -> dict[str, str]:
     if not isinstance(turn, Mapping):
-        raise MalformedRow("message is not an object")
+        raise MalformedRow("message is not an object", field)
     speaker = turn.get("from")
     role = SHAREGPT_ROLES.get(speaker.lower() if isinstance(speaker, str) else speaker)
     if role is None:
-        raise MalformedRow(f"unknown role {speaker!r}")
-    return {"role": role, "content": _content(turn.get("value"))}
+        raise MalformedRow(f"unknown role {speaker!r}", f"{field}.from")
+    return {"role": role, "content": _content(turn.get("value"), f"{field}.value")}
 
 
-def _content(content: Any) -> str:
+def _content(content: Any, field: str) -> str:
     if not isinstance(content, str):
-        raise MalformedRow("message content is not a string")
+        raise MalformedRow("message content is not a string", field)
     return content

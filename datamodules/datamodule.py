@@ -23,11 +23,17 @@ from lightning_drafts.datamodules.embedded import (
     embedded_corpus_fingerprint,
     load_embedded_tokenizer,
 )
-from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, ResumableLoader
+from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, PlanOrder, ResumableLoader
 from lightning_drafts.datamodules.packing import resolve_packing
 from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
+from lightning_drafts.datamodules.row_locations import RowLocations
 from lightning_drafts.datamodules.templates import resolve_chat_template
-from lightning_drafts.datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
+from lightning_drafts.datamodules.tokenize import (
+    NAMED_PER_REASON,
+    TokenizedCorpus,
+    default_cache_dir,
+    tokenize_rows,
+)
 from lightning_drafts.shipped import resolve_shipped
 
 logger = logging.getLogger("lightning_drafts.datamodules")
@@ -131,8 +137,9 @@ class PackedChatDataModule(LightningDataModule):
         self.rank = rank
         self.strict = bool(strict)
         self.setup_summary = bool(setup_summary)
-        # Where the first malformed row of each reason was found, per source (for the setup summary).
-        self.first_malformed: dict[str, str] = {}
+        # Where the first malformed rows of each reason were found, named ("file:line: problem"), for
+        # the setup summary.
+        self.first_malformed: dict[str, list[str]] = {}
 
         self.tokenizer = _load_tokenizer(tokenizer)
         self.chat_template = resolve_chat_template(chat_template, self.tokenizer)
@@ -206,12 +213,13 @@ class PackedChatDataModule(LightningDataModule):
         rejected = Counter()
         if files is None:
             rows, fingerprint = embedded_corpus_dataset(), embedded_corpus_fingerprint()
+            locations = RowLocations(name="the embedded corpus")
         else:
-            rows, fingerprint, read = _load_chat_files(files, self.cache_dir, self.strict)
+            rows, fingerprint, read, locations = _load_chat_files(files, self.cache_dir, self.strict)
             if read is not None:
                 rejected = read.malformed
                 for reason, where in read.first_seen.items():
-                    self.first_malformed.setdefault(reason, where)
+                    self.first_malformed.setdefault(reason, []).append(where)
         if self.max_documents is not None and self.max_documents < len(rows):
             rows = rows.select(range(self.max_documents))
             fingerprint = Hasher.hash([fingerprint, "first", self.max_documents])
@@ -224,12 +232,18 @@ class PackedChatDataModule(LightningDataModule):
             cache_dir=self.cache_dir,
         )
         corpus = TokenizedCorpus.from_dataset(tokenized)
-        if self.strict and corpus.malformed:
-            reason, count = next(iter(corpus.malformed.items()))
+        named = locations.describe(example.index for example in corpus.examples)
+        described = [
+            (example.reason, f"{named[example.index]}: {example.reason}" + _field_note(example.field))
+            for example in corpus.examples
+        ]
+        if self.strict and described:
             raise ValueError(
-                f"{files or 'the embedded corpus'}: {count} row(s) malformed ({reason!r}; all: "
-                f"{dict(corpus.malformed)}); strict mode refuses them (drop strict to skip them)"
+                f"{described[0][1]} (strict mode stops at the first malformed row; malformed rows in all: "
+                f"{dict(corpus.malformed)}; drop strict to skip them)"
             )
+        for reason, text in described:
+            self.first_malformed.setdefault(reason, []).append(text)
         return TokenizedCorpus(corpus.documents, corpus.malformed + rejected)
 
     def _fit(self, documents: Documents, malformed: Counter) -> tuple[Documents, dict[str, Any]]:
@@ -266,17 +280,17 @@ class PackedChatDataModule(LightningDataModule):
                 self.packing,
             )
             if counts["malformed"]:
-                first = {
-                    r: self.first_malformed[r]
-                    for r in counts["malformed_reasons"]
-                    if r in self.first_malformed
-                }
+                named = [
+                    where
+                    for reason in counts["malformed_reasons"]
+                    for where in self.first_malformed.get(reason, [])[:NAMED_PER_REASON]
+                ]
                 logger.warning(
                     "%s split: %d malformed rows skipped: %s%s",
                     split,
                     counts["malformed"],
                     counts["malformed_reasons"],
-                    "".join(f"\n  first {reason!r}: {where}" for reason, where in first.items()),
+                    "".join(f"\n  {where}" for where in named),
                 )
             if counts["truncated"] or counts["dropped"]:
                 logger.warning(
@@ -325,7 +339,7 @@ class PackedChatDataModule(LightningDataModule):
             return []
         world_size, rank = self._world()
         dataset = self._dataset(self.val_documents, shuffle=False, world_size=world_size, rank=rank)
-        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
+        return DataLoader(dataset, batch_size=None, sampler=PlanOrder(dataset), num_workers=self.num_workers)
 
     def _dataset(
         self, documents: Documents, *, shuffle: bool, world_size: int, rank: int
@@ -400,11 +414,15 @@ def show_console(target: logging.Logger) -> None:
         target.addHandler(logging.StreamHandler())
 
 
+def _field_note(field: str) -> str:
+    return f" (field {field})" if field else ""
+
+
 def _load_chat_files(
     files: str | os.PathLike | list, cache_dir: Path, strict: bool = False
-) -> tuple[datasets.Dataset, str, ChatRows | None]:
-    """The rows of ``files``, a fingerprint of the source, and what the row-by-row reader rejected
-    (``None`` when the fast ``datasets`` reader took the files whole)."""
+) -> tuple[datasets.Dataset, str, ChatRows | None, RowLocations]:
+    """The rows of ``files``, a fingerprint of the source, what the row-by-row reader rejected (``None``
+    when the fast ``datasets`` reader took the files whole), and where each row came from."""
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not paths:
         raise ValueError(
@@ -413,7 +431,7 @@ def _load_chat_files(
     paths = [str(path) for path in paths]
     if len(paths) == 1 and _looks_like_hub_id(paths[0]):
         rows = datasets.load_dataset(paths[0], split="train", cache_dir=str(cache_dir / "sources"))
-        return rows, rows._fingerprint, None
+        return rows, rows._fingerprint, None, RowLocations(name=f"{paths[0]} (train split)")
     builders = set()
     for path in paths:
         name = path.removesuffix(".gz")
@@ -431,7 +449,7 @@ def _load_chat_files(
             builder, data_files=paths, split="train", cache_dir=str(cache_dir / "sources")
         )
         # The datasets fingerprint of a loaded source hashes its files (paths, sizes, times).
-        return rows, rows._fingerprint, None
+        return rows, rows._fingerprint, None, RowLocations.of_files(paths)
     except Exception:
         if builder != "json":
             raise
@@ -440,7 +458,8 @@ def _load_chat_files(
     expanded = sorted(
         {Path(m) for path in paths for m in (glob.glob(path) if glob.has_magic(path) else [path])}
     )
-    return read_chat_files(expanded, strict)
+    rows, fingerprint, read = read_chat_files(expanded, strict)
+    return rows, fingerprint, read, RowLocations(name=", ".join(paths), listed=tuple(read.where))
 
 
 def _looks_like_hub_id(path: str) -> bool:

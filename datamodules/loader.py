@@ -2,11 +2,13 @@
 
 Design, kept deliberately small:
 
-* :class:`PackedEpochDataset` is an ``IterableDataset`` that yields ready micro-batches of one epoch's
-  :func:`~lightning_drafts.datamodules.packing.plan_epoch` for its rank, starting after ``skip`` micro-batches. It is an
-  iterable (not a map-style dataset with a sampler) so Lightning never injects a ``DistributedSampler``:
-  rank sharding is part of the plan. Worker ``w`` of ``n`` yields micro-batches ``w, w + n, ...``; the
-  ``DataLoader`` collects from its workers round-robin, so the order is the same for any worker count.
+* :class:`PackedEpochDataset` is a map-style dataset whose item ``i`` is micro-batch ``i`` of one epoch's
+  :func:`~lightning_drafts.datamodules.packing.plan_epoch` for its rank; :class:`PlanOrder` hands out
+  the indices from ``skip`` on, in order. Rank sharding is part of the plan, so the sampler is a
+  ``DistributedSampler``: Lightning leaves a loader that already has one alone instead of wrapping it in
+  its own. (An ``IterableDataset`` would avoid the sampler, but Lightning warns about any iterable with a
+  length, and the length is what progress bars and epoch-based schedules need.) Workers fetch the
+  indices the main process hands them, so the order is the same for any worker count.
 * :class:`ResumableLoader` is the ``DataLoader`` around it. Its ``__iter__`` runs in the main process, so
   it decides the epoch and the resume offset there (before workers receive the dataset) and counts the
   micro-batches it hands out.
@@ -23,14 +25,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 
 
-class PackedEpochDataset(IterableDataset):
-    """Micro-batches of one epoch for one rank; set ``epoch`` and ``skip`` before iterating."""
+class PackedEpochDataset(Dataset):
+    """Micro-batches of one epoch for one rank; set ``epoch`` (and ``skip``, read by :class:`PlanOrder`)
+    before iterating."""
 
     def __init__(
         self,
@@ -76,12 +79,25 @@ class PackedEpochDataset(IterableDataset):
     def __len__(self) -> int:
         return len(self.plan(self.epoch))
 
-    def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        plan = self.plan(self.epoch)
-        worker = get_worker_info()
-        first, step = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        for index in range(self.skip + first, len(plan), step):
-            yield collate(self.documents, plan, index, self.pad_token_id)
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return collate(self.documents, self.plan(self.epoch), index, self.pad_token_id)
+
+
+class PlanOrder(DistributedSampler):
+    """The dataset's micro-batches in plan order, from its ``skip`` on (the plan is this rank's already)."""
+
+    def __init__(self, dataset: PackedEpochDataset) -> None:
+        rank, world_size = dataset.plan_kwargs["rank"], dataset.plan_kwargs["world_size"]
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.dataset.skip, len(self.dataset)))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the loader's state decides the epoch (it also knows a resumed one)."""
 
 
 class LoaderState:
@@ -155,15 +171,16 @@ class ResumableLoader(DataLoader):
     """
 
     def __init__(self, dataset: PackedEpochDataset, state: LoaderState, num_workers: int = 0) -> None:
+        # So that len() (Lightning reads it before the first iteration) describes the epoch about to run.
+        dataset.epoch = state.epoch
         super().__init__(
             dataset,
             batch_size=None,
+            sampler=PlanOrder(dataset),
             num_workers=num_workers,
             pin_memory=torch.cuda.is_available(),
         )
         self.state = state
-        # So that len() (Lightning reads it before the first iteration) describes the epoch about to run.
-        dataset.epoch = state.epoch
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         dataset: PackedEpochDataset = self.dataset

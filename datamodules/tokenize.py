@@ -36,13 +36,14 @@ from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.templates import has_generation_tags
 
 # Bump when the output of tokenize_batch changes, so stale cache files are never reused.
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2
 
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "malformed": datasets.Value("string"),
+        "malformed_field": datasets.Value("string"),
     }
 )
 
@@ -112,14 +113,16 @@ def tokenize_batch(
     """``datasets.map`` function: every row becomes a document, or an empty one with a ``malformed`` reason."""
     size = len(next(iter(batch.values())))
     rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
-    texts, spans, reasons = [], [], []
+    texts, spans, reasons, fields = [], [], [], []
     for row in rows:
         try:
             text, row_spans = render_with_assistant_spans(normalize_conversation(row), template, tokenizer)
             reasons.append("")
+            fields.append("")
         except MalformedRow as malformed:
             text, row_spans = "", []
             reasons.append(malformed.reason)
+            fields.append(malformed.field)
         texts.append(text)
         spans.append(row_spans)
     backend = tokenizer.backend_tokenizer
@@ -138,7 +141,7 @@ def tokenize_batch(
         offsets = np.fromiter(chain.from_iterable(encoding.offsets), dtype=np.int64, count=2 * count)
         input_ids.append(np.array(encoding.ids, dtype=np.int32))
         loss_mask.append(supervised_tokens(offsets.reshape(count, 2), row_spans, len(text)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "malformed": reasons}
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "malformed": reasons, "malformed_field": fields}
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -191,12 +194,27 @@ def tokenize_rows(
     )
 
 
+# Malformed rows named per reason in messages (the count covers the rest).
+NAMED_PER_REASON = 3
+
+
+@dataclass(frozen=True)
+class MalformedExample:
+    """One malformed row: its index in the tokenised table, why, and the field at fault."""
+
+    index: int
+    reason: str
+    field: str
+
+
 @dataclass(frozen=True)
 class TokenizedCorpus:
-    """The valid documents of a tokenised source and the count of malformed rows by reason."""
+    """The valid documents of a tokenised source, the count of malformed rows by reason, and the first
+    :data:`NAMED_PER_REASON` of each reason (in row order)."""
 
     documents: Documents
     malformed: Counter
+    examples: tuple[MalformedExample, ...] = ()
 
     @classmethod
     def from_dataset(cls, tokenized: datasets.Dataset) -> TokenizedCorpus:
@@ -209,4 +227,11 @@ class TokenizedCorpus:
         starts = np.cumsum(lengths) - lengths
         valid = np.flatnonzero(np.array([reason == "" for reason in reasons], dtype=bool) & (lengths > 0))
         documents = Documents(flat_ids, flat_mask, starts[valid], lengths[valid])
-        return cls(documents, Counter(reason for reason in reasons if reason))
+        malformed = Counter(reason for reason in reasons if reason)
+        examples, named = [], Counter()
+        fields = table.column("malformed_field").to_pylist() if malformed else []
+        for index, reason in enumerate(reasons if malformed else []):
+            if reason and named[reason] < NAMED_PER_REASON:
+                named[reason] += 1
+                examples.append(MalformedExample(index, reason, fields[index]))
+        return cls(documents, malformed, tuple(examples))

@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.module import DraftModule
@@ -19,6 +24,23 @@ class DraftCLI(LightningCLI):
             "data.vocab_size", "model.init_args.tokenizer_vocab_size", apply_on="instantiate"
         )
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if "callbacks" in kwargs:
+            return super().instantiate_trainer(**kwargs)
+        section = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer = section.get("trainer") or {}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if self.subcommand == "validate" and section.get("ckpt_path"):
+            _point_checkpoint_callbacks_at(section["ckpt_path"], callbacks)
+        # Lightning's default bar shows the run's version as a metric and "Epoch 0/-2" for a run bounded
+        # by max_steps; ours does neither. A bar the config names, or enable_progress_bar: false, wins.
+        if trainer.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            callbacks.append(console_progress_bar())
+        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -45,3 +67,23 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
         args=args,
         save_config_kwargs={"overwrite": True},
     )
+
+
+def _point_checkpoint_callbacks_at(ckpt_path: str, callbacks: list[Any]) -> None:
+    """Give a fit config's ``ModelCheckpoint`` callbacks the directory they saved ``ckpt_path``'s state from.
+
+    ``validate`` restores them from the checkpoint it validates (Lightning warns if they are missing), and
+    each then warns that the new run's directory differs from the one in its state. Validation writes no
+    checkpoint, so the saved directory is the honest one; a callback given its own ``dirpath`` keeps it.
+    """
+    import torch
+
+    path = Path(ckpt_path)
+    if not path.is_file():
+        return  # Lightning names a missing or misspelled checkpoint itself
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("callbacks") or {}
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+            dirpath = (saved.get(callback.state_key) or {}).get("dirpath")
+            if dirpath is not None:
+                callback.dirpath = dirpath

@@ -2,7 +2,8 @@
 
 A draft's diagnostic ratios (DSpark's acceptance proxies and calibration, DFlash2's candidate recall)
 are logged as the ratio of sums over steps and ranks, never as a mean of per-step ratios: a step with
-few supervised slots then weighs what it counts, and a step with none adds nothing.
+few supervised slots then weighs what it counts, and a step with none adds nothing. A ratio with nothing
+counted has no value (``None``), which Lightning logs as no point, not as 0.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ def ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
 
 
 class RatioSum(Metric):
-    """``sum(numerator) / sum(denominator)`` over steps and ranks (0 before anything was counted)."""
+    """``sum(numerator) / sum(denominator)`` over steps and ranks; ``None`` while nothing was counted.
+
+    Lightning logs a metric's per-step value from its last ``forward`` and its epoch value from
+    ``compute``; a ``None`` in either is skipped. So a training step that counts nothing logs no point
+    (skipping ``self.log`` instead would re-log the previous step's value: Lightning keeps it for the epoch).
+    """
 
     full_state_update = False
 
@@ -42,8 +48,10 @@ class RatioSum(Metric):
         self.numerator += numerator.detach().double()
         self.denominator += denominator.detach().double()
 
-    def compute(self) -> Tensor:
-        return ratio(self.numerator, self.denominator).float()
+    def compute(self) -> Tensor | None:
+        if not self.denominator > 0:
+            return None
+        return (self.numerator / self.denominator).float()
 
 
 def ratio_metrics(names: Iterable[str]) -> nn.ModuleDict:

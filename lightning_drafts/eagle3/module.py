@@ -32,6 +32,7 @@ from lightning_drafts.eagle3.mla_draft import build_mla_draft
 from lightning_drafts.eagle3.rules import TARGET_LAYER_IDS
 from lightning_drafts.eagle3.step_objective import StepObjective
 from lightning_drafts.eagle3.ttt import TeacherSignal, eagle3_objective, ttt_unroll
+from lightning_drafts.eagle3.vocab_coverage import CoverageCheck
 from lightning_drafts.eagle3.vocab_mapping import (
     VocabMapping,
     build_vocab_mapping,
@@ -134,6 +135,8 @@ class Eagle3Base(DraftModule):
         self.vocab_mapping: VocabMapping | None = None
         if token_frequencies is not None:
             self.build_vocab_mapping(token_frequencies)
+        self.coverage_check = CoverageCheck(draft_size, vocab_size)
+        self.register_ratio_metrics(["accuracy", "draft_vocab_coverage"])
 
     @staticmethod
     def build_draft(
@@ -192,6 +195,20 @@ class Eagle3Base(DraftModule):
         # Ranks may read different shards; a sum keeps the ranking exact either way.
         counts = strategy.reduce(counts.to(strategy.root_device), reduce_op="sum").cpu()
         self.build_vocab_mapping(counts)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.compresses_vocab or self.coverage_check.judged:
+            return
+        covered, supervised = outputs["draft_output"].sums["draft_vocab_coverage"]
+        warning = self.coverage_check.add(float(covered), float(supervised))
+        if warning is not None:
+            rank_zero_warn(warning)
+
+    def on_train_end(self) -> None:
+        # A run shorter than the window is judged on what it saw.
+        warning = self.coverage_check.judge() if self.compresses_vocab else None
+        if warning is not None:
+            rank_zero_warn(warning)
 
     def _special_token_ids(self) -> list[Any]:
         names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")

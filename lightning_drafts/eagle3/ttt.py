@@ -214,4 +214,12 @@ def eagle3_objective(
         valid=valid.reshape(-1, len(states))[chains],
         valid_tokens=supervised_total,
         metrics={"accuracy": hits.float() / supervised_total.clamp(min=1).float()},
+        sums={
+            "accuracy": (hits.float(), supervised_total.float()),
+            # Supervised positions whose greedy target token the draft vocabulary holds.
+            "draft_vocab_coverage": (
+                teacher.in_draft_vocab.sum().float(),
+                packed.loss_mask.sum().float(),
+            ),
+        },
     )

@@ -7,7 +7,6 @@ builds the optimiser, and keeps the target out of checkpoints. A family subclass
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,6 @@ from lightning_drafts.training.target import FrozenTarget, TargetSpec, as_dtype
 TARGET_PREFIX = "target."
 # The digest of a checkpoint's draft tensors, checked on every load (resume, validate, export).
 DIGEST_KEY = "draft_digest"
-
-# The frozen target is in eval mode on purpose (FrozenTarget.train keeps it there).
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 class DraftModule(L.LightningModule):
@@ -89,6 +85,7 @@ class DraftModule(L.LightningModule):
                 f"the tokenizer has {tokenizer_vocab_size} tokens but the target's vocabulary has "
                 f"{self.target.vocab_size}; the tokenizer does not belong to this target"
             )
+        self.loss_sums = ratio_metrics(["loss"])
         # Checkpoints hold only the draft. Strategies that load state themselves (FSDP2) must not
         # demand target keys; on_load_checkpoint still refuses a checkpoint missing draft keys.
         self.strict_loading = False
@@ -148,10 +145,7 @@ class DraftModule(L.LightningModule):
     def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
         output = self.compute_loss(batch)
         real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
-        # The loss is a mean over supervised predictions, so an epoch weights each micro-batch by their
-        # count (a micro-batch without any weighs nothing instead of pulling the mean towards 0).
-        tokens = int(output.valid_tokens)
-        self.log(f"{stage}/loss", output.loss, prog_bar=True, sync_dist=stage == "val", batch_size=tokens)
+        self._log_loss(stage, output)
         for name, value in output.metrics.items():
             if name not in output.sums:
                 self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=real)
@@ -160,6 +154,20 @@ class DraftModule(L.LightningModule):
             metric(numerator, denominator)
             self.log(f"{stage}/{name}", metric, on_step=stage == "train", on_epoch=stage != "train")
         return {"loss": output.loss, "draft_output": output.detach()}
+
+    def _log_loss(self, stage: str, output: DraftOutput) -> None:
+        """The loss is a mean over a micro-batch's supervised predictions, so it is logged as the ratio of
+        ``loss * valid_tokens`` to ``valid_tokens`` summed over steps and ranks: an epoch weights each
+        micro-batch by its count, and a micro-batch without any (its loss a structural zero) logs no point
+        at all rather than a loss of 0 (the progress bar keeps the last real value)."""
+        tokens = torch.as_tensor(output.valid_tokens, device=output.loss.device)
+        metric = self.loss_sums[f"{stage}_loss"]
+        metric(output.loss.detach() * tokens, tokens)
+        if stage == "train":
+            self.log("train/loss", metric, on_step=True, on_epoch=False, prog_bar=True)
+            self.log("train/loss_epoch", metric, on_step=False, on_epoch=True)
+        else:
+            self.log(f"{stage}/loss", metric, on_step=False, on_epoch=True, prog_bar=True)
 
     def _ratio_metric(self, stage: str, name: str) -> RatioSum:
         registered = getattr(self, "ratio_metrics", {})

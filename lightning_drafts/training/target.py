@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,17 +92,16 @@ class FrozenTarget(nn.Module):
         if dtype is not None:
             self.model.to(as_dtype(dtype))
         self.model.requires_grad_(False)
-        self.model.eval()
+        # from_pretrained returns the model in eval mode; the module tree follows its owner's mode like any
+        # other module (Lightning warns about eval-mode modules at the start of fit), and forward computes
+        # in eval mode whatever that mode is (_evaluating).
+        self.model.train(self.training)
         self.requested_backend = attn_backend
         self.backend: str | None = None
         if attn_backend not in ("auto", *HF_ATTENTION):
             raise ValueError(
                 f"attn_backend {attn_backend!r} is unknown; choose 'auto' or one of {tuple(HF_ATTENTION)}"
             )
-
-    # The target never leaves eval mode: dropout or MoE training-time behaviour would corrupt the teacher.
-    def train(self, mode: bool = True) -> FrozenTarget:
-        return super().train(False)
 
     @property
     def config(self) -> Any:
@@ -154,14 +154,15 @@ class FrozenTarget(nn.Module):
             self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)
         ]
         try:
-            if backend == "flash":
-                last_hidden = self._forward_varlen(packed, captured)
-            else:
-                last_hidden = self._decoder(
-                    input_ids=packed.input_ids,
-                    position_ids=packed.position_ids,
-                    attention_mask=self._document_mask(packed, backend),
-                )
+            with _evaluating(self.model):
+                if backend == "flash":
+                    last_hidden = self._forward_varlen(packed, captured)
+                else:
+                    last_hidden = self._decoder(
+                        input_ids=packed.input_ids,
+                        position_ids=packed.position_ids,
+                        attention_mask=self._document_mask(packed, backend),
+                    )
         finally:
             for hook in hooks:
                 hook.remove()
@@ -241,6 +242,23 @@ def default_capture_layers(num_layers: int) -> list[int]:
             "pass three distinct ascending target_layer_ids explicitly"
         )
     return ids
+
+
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` in eval mode (no dropout, no MoE training-time routing: the teacher must be exact),
+    then give every submodule back its mode.
+
+    The mode is switched per call rather than pinned: Lightning puts the whole module in train mode for
+    fit and rightly warns about modules it finds in eval mode then, and a frozen target is no reason
+    for that warning to appear on every run."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _capture_into(store: dict[int, Tensor], layer_id: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,3 +43,52 @@ def test_the_entry_point_lets_lightningcli_read_the_command_line():
     assert "class_path: lightning_drafts.Eagle3Module" in result.stdout
     # Passing sys.argv[1:] as `args` made LightningCLI warn that it is meant to run from Python.
     assert "args parameter is intended to run from within Python" not in result.stderr
+
+
+# Warnings raised inside third-party code about third-party code, whatever the project does: Lightning
+# 2.6 calls APIs that torch 2.13 and jsonargparse 4.49 deprecate. Anything else is a warning of ours.
+THIRD_PARTY_WARNINGS = (
+    "`isinstance(treespec, LeafSpec)` is deprecated",
+    "was deprecated in v4.49.0",
+    "By default only one JsonargparseDeprecationWarning per type is shown",
+)
+
+CONSOLE_RUN = """
+import json, sys, warnings
+from lightning_drafts.cli.main import main
+
+seen = []
+warnings.simplefilter("always")
+warnings.showwarning = lambda message, category, filename, lineno, *rest: seen.append(
+    f"{filename}:{lineno}: {category.__name__}: {message}"
+)
+work, config = sys.argv[1], sys.argv[2]
+
+
+def cli(*args):
+    sys.argv = ["lightning-drafts", *args]  # as the console script runs: LightningCLI reads sys.argv
+    main()
+
+
+common = [f"--config={config}", f"--trainer.logger.init_args.save_dir={work}",
+          "--data.init_args.max_documents=200", f"--data.init_args.cache_dir={work}/cache"]
+cli("fit", *common, "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1")
+checkpoint = f"{work}/eagle3/version_0/checkpoints/best.ckpt"
+cli("validate", *common, f"--ckpt_path={checkpoint}", "--trainer.limit_val_batches=1")
+cli("export", checkpoint, f"{work}/export")
+cli("evaluate", f"{work}/export", f"--config={config}", "--num-prompts=1", "--max-new-tokens=4",
+    f"--cache-dir={work}/cache")
+print("WARNINGS " + json.dumps(seen))
+"""
+
+
+def test_a_quickstart_fit_validate_export_evaluate_prints_no_warning_of_ours(tmp_path):
+    config = ROOT / "configs" / "quickstart" / "eagle3.yaml"
+    result = run("-c", CONSOLE_RUN, str(tmp_path), str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.rsplit("WARNINGS ", 1)[1])
+    ours = [w for w in seen if not any(known in w for known in THIRD_PARTY_WARNINGS)]
+    assert ours == [], "\n".join(ours)
+    console = result.stdout + result.stderr
+    # Lightning's own bar printed a max_steps run as "Epoch 0/-2" and the logger version as a metric.
+    assert "Epoch 0/-2" not in console and "v_num" not in console

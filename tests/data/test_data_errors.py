@@ -59,7 +59,10 @@ def test_strict_mode_stops_at_the_first_bad_row_and_names_it(tmp_path):
         data(files, tmp_path, strict=True)
     no_answer = {"messages": [{"role": "user", "content": "Anyone?"}]}
     files = write_lines(tmp_path / "unanswered.jsonl", [good_line(), json.dumps(no_answer).encode()])
-    with pytest.raises(ValueError, match="malformed .*strict mode refuses them"):
+    with pytest.raises(
+        ValueError,
+        match=r"unanswered.jsonl:2: no assistant turn \(field messages\[\*\]\.role\) \(strict mode",
+    ):
         data(files, tmp_path, strict=True)
 
 
@@ -96,3 +99,63 @@ def test_max_tokens_shorter_than_the_prompts_is_named(tmp_path):
     files = write_lines(tmp_path / "long.jsonl", [json.dumps(long_prompt).encode()] * 3)
     with pytest.raises(ValueError, match="every prompt fills max_tokens=32 .*raise max_tokens"):
         PackedChatDataModule(data_files=files, max_tokens=32, cache_dir=str(tmp_path / "cache")).setup("fit")
+
+
+def chat(*turns: tuple[str, str]) -> dict:
+    return {"messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+# Rows that parse as JSON but fail at tokenisation, each with the location and field it is named by.
+TOKENISE_TIME_BAD = [
+    (chat(("user", "Anyone?")), "no assistant turn (field messages[*].role)"),
+    (chat(("user", "Hi"), ("bot", "Hello")), "unknown role 'bot' (field messages[1].role)"),
+    (
+        chat(("user", "Hi"), ("assistant", None)),
+        "message content is not a string (field messages[1].content)",
+    ),
+]
+
+
+def test_rows_malformed_at_tokenisation_are_named_by_file_line_and_field(tmp_path, caplog):
+    # A blank line first: line numbers count the file's lines, not its rows.
+    lines = [b"", good_line()] + [json.dumps(row).encode() for row, _ in TOKENISE_TIME_BAD]
+    files = write_lines(tmp_path / "chats.jsonl", lines)
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        module = data(files, tmp_path)
+    assert module.stats["train"]["malformed"] == len(TOKENISE_TIME_BAD)
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    for line, (_, named) in enumerate(TOKENISE_TIME_BAD, start=3):
+        assert f"{files}:{line}: {named}" in warning, warning
+    with pytest.raises(ValueError, match=r"chats.jsonl:3: no assistant turn .*strict mode stops"):
+        data(files, tmp_path, strict=True)
+
+
+def test_only_the_first_rows_of_a_reason_are_named(tmp_path, caplog):
+    unanswered = json.dumps(chat(("user", "Anyone?"))).encode()
+    files = write_lines(tmp_path / "chats.jsonl", [good_line()] + [unanswered] * 5)
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        data(files, tmp_path)
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    assert [f"{files}:{n}: no assistant turn" in warning for n in range(2, 7)] == [True] * 3 + [False] * 2
+
+
+def test_parquet_rows_malformed_at_tokenisation_are_named_by_row_index(tmp_path, caplog):
+    import datasets
+
+    path = tmp_path / "chats.parquet"
+    rows = [GOOD, chat(("user", "Hi"), ("bot", "Hello")), GOOD]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        data(str(path), tmp_path)
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    assert f"{path} row 1: unknown role 'bot' (field messages[1].role)" in warning
+
+
+def test_rows_of_a_file_read_row_by_row_keep_their_lines(tmp_path, caplog):
+    # The invalid JSON line sends the file through the row-by-row reader; the later row still has its line.
+    unanswered = json.dumps(chat(("user", "Anyone?"))).encode()
+    files = write_lines(tmp_path / "chats.jsonl", [good_line(), b"{oops", good_line(), unanswered])
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        data(files, tmp_path)
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    assert f"{files}:2: invalid JSON" in warning and f"{files}:4: no assistant turn" in warning

@@ -83,12 +83,19 @@ def test_restricted_logits_and_chunked_greedy_tokens_match_full_vocabulary():
     assert torch.equal(target.greedy_tokens(last, chunk_tokens=5), full.argmax(-1))
 
 
-def test_target_is_frozen_and_stays_in_eval_mode():
-    target = FrozenTarget(TINY_TARGETS["llama"])
+def test_target_is_frozen_and_computes_in_eval_mode_in_a_training_module_tree():
+    # Dropout that would change every hidden state if the target ran in train mode.
+    target = FrozenTarget({**TINY_TARGETS["llama"], "attention_dropout": 0.5})
+    packed = validate_batch({"input_ids": random_docs([8])[0][None]})
+    target.eval()
+    reference = target(packed, LAYERS)
     target.train()
-    assert not target.model.training
+    # Lightning warns about modules it finds in eval mode when fit starts: the tree follows its owner.
+    assert all(module.training for module in target.modules())
+    out = target(packed, LAYERS)
+    assert torch.equal(out.last_hidden_state, reference.last_hidden_state)
+    assert all(module.training for module in target.modules())
     assert not any(p.requires_grad for p in target.parameters())
-    out = target(validate_batch({"input_ids": random_docs([8])[0][None]}), LAYERS)
     assert not out.last_hidden_state.requires_grad
 
 
