@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_drafts.core.checks import is_int
+from lightning_drafts.core.layer_ids import layer_ids_rule
 from lightning_drafts.core.rules import FieldRule, int_rule
 
 EMBEDDING_FEATURE = -1
@@ -20,31 +20,6 @@ BLOCK_SIZE = int_rule(
     "block_size", 1, hint="K proposals per block: slot k proposes the token at anchor + k + 1"
 )
 MARKOV_RANK = int_rule("markov_rank", 0, hint="the Markov head's rank r; 0 disables the head")
-
-
-def feature_ids_problem(ids: Any, num_layers: Any) -> str | None:
-    """A non-empty, strictly increasing list of feature ids, each inside ``[-1, L - 1]`` for a target of
-    ``num_layers`` decoder layers (unchecked where ``num_layers`` is not an int)."""
-    if not isinstance(ids, (list, tuple)) or not ids:
-        return (
-            f"{ids!r}; it must be the non-empty, strictly increasing list of target feature ids the draft's "
-            "fc reads (-1 = embedding output, L-1 = final-norm output, else decoder-layer outputs)"
-        )
-    not_ids = [i for i in ids if not is_int(i)]
-    if not_ids:
-        return f"{list(ids)}; it must hold int feature ids (offending: {not_ids})"
-    if is_int(num_layers):
-        last = num_layers - 1
-        outside = [i for i in ids if not EMBEDDING_FEATURE <= i <= last]
-        if outside:
-            return (
-                f"{list(ids)}; it names features outside the target's {num_layers} decoder layers (offending: "
-                f"{outside}; valid: -1 = embedding output, 0..{last - 1} = decoder-layer outputs, {last} = "
-                "final-norm output)"
-            )
-    if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
-        return f"{list(ids)}; it must be strictly increasing, the order fc is trained with"
-    return None
 
 
 def head_type_problem(value: Any) -> str | None:
@@ -61,6 +36,14 @@ def confidence_with_markov_problem(value: Any, confidence_head: Any, markov_rank
     return None
 
 
-TARGET_LAYER_IDS = FieldRule("target_layer_ids", feature_ids_problem)
+TARGET_LAYER_IDS = layer_ids_rule(
+    "the non-empty, strictly increasing list of target feature ids the draft's fc reads (-1 = embedding "
+    "output, L-1 = final-norm output, else decoder-layer outputs)",
+    lowest=EMBEDDING_FEATURE,
+    noun="features",
+    valid=lambda layers: (
+        f"valid: -1 = embedding output, 0..{layers - 2} = decoder-layer outputs, {layers - 1} = final-norm output"
+    ),
+)
 MARKOV_HEAD_TYPE = FieldRule("markov_head_type", head_type_problem)
 CONFIDENCE_HEAD_WITH_MARKOV = FieldRule("confidence_head_with_markov", confidence_with_markov_problem)
