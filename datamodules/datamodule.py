@@ -6,6 +6,7 @@ import glob
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
+from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
     embedded_corpus_dataset,
@@ -208,6 +210,27 @@ class PackedChatDataModule(LightningDataModule):
             token = tokenizer.convert_ids_to_tokens(token_id)
             return f"token {token!r}, which occurs {count:,} times in the data"
         return None
+
+    def conversations(self) -> Iterator[tuple[int, list[dict[str, str]] | MalformedRow]]:
+        """Every row of ``data_files`` (the first ``max_documents``), in file order, as ``(row index,
+        normalised messages)``, or ``(row index, MalformedRow)`` for a row that is not a conversation.
+
+        What ``lightning-drafts regenerate`` rewrites: all rows, before the validation split (a row
+        unreadable as JSON is named in the setup summary's reader counts, as for ``fit``, and not
+        yielded)."""
+        if self.data_files is None:
+            rows = embedded_corpus_dataset()
+        else:
+            rows, _, read, _ = _load_chat_files(self.data_files, self.cache_dir, self.strict)
+            if read is not None:
+                for reason, where in read.first_seen.items():
+                    self.first_malformed.setdefault(reason, []).append(where)
+        count = len(rows) if self.max_documents is None else min(self.max_documents, len(rows))
+        for index in range(count):
+            try:
+                yield index, normalize_conversation(rows[index])
+            except MalformedRow as malformed:
+                yield index, malformed
 
     def _tokenized(self, files: str | list[str] | None) -> TokenizedCorpus:
         rejected = Counter()

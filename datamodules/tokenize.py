@@ -72,6 +72,18 @@ def render_with_assistant_spans(
     return text, spans
 
 
+def render_prompt(
+    messages: list[dict[str, str]], template: str, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any
+) -> str:
+    """The text a model continues to write the next assistant turn after ``messages``: the conversation
+    rendered as training renders it, plus the generation prompt (``template_kwargs`` reach the template,
+    e.g. ``enable_thinking``)."""
+    special = tokenizer.special_tokens_map
+    return render_jinja_template(
+        [messages], chat_template=template, add_generation_prompt=True, **special, **template_kwargs
+    )[0][0]
+
+
 def _render_by_prefixes(
     messages: list[dict[str, str]], template: str, special: dict[str, Any]
 ) -> tuple[str, list[tuple[int, int]]]:

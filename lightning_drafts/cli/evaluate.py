@@ -15,27 +15,25 @@ the quickstart split.
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from lightning_drafts.cli.fit_config import read_config, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
 from lightning_drafts.workflows.evaluate import evaluate_export
 
-CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
 DEFAULT_VAL_FRACTION = 0.02
 
 
 def evaluate_main(args: list[str]) -> None:
     parsed = _parser().parse_args(args)
-    config = _read_config(parsed.config) if parsed.config else {}
-    target, seed = _target_spec(parsed.target, config)
+    config = read_config(parsed.config) if parsed.config else {}
+    target, seed = target_spec(parsed.target, config)
     report = evaluate_export(
         parsed.export_dir,
         _prompts(parsed, config),
@@ -117,39 +115,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-training-estimate", action="store_true", help="skip tau_sim")
     parser.add_argument("--json", default=None, help="also write the full report here")
     return parser
-
-
-def _read_config(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file() or path.suffix not in CONFIG_SUFFIXES:
-        raise ValueError(f"{path} is not a JSON / YAML file ({CONFIG_SUFFIXES})")
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    import yaml
-
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def _target_spec(target: str | None, config: dict[str, Any]) -> tuple[Any, int | None]:
-    """``(spec, seed)`` from ``--target`` (id, path or config file) or the ``--config`` model section."""
-    if target is not None and Path(target).suffix in CONFIG_SUFFIXES and Path(target).is_file():
-        config = _read_config(target)
-        if "model_type" in config:
-            return config, None
-    elif target is not None:
-        return target, None
-    init_args = (config.get("model") or {}).get("init_args") or {}
-    if target is not None and "target" not in init_args:
-        raise ValueError(
-            f"--target {target} holds neither a target config dict (with model_type) nor model.init_args.target"
-        )
-    if "target" not in init_args:
-        return None, None  # the target the export records
-    spec = init_args["target"]
-    if isinstance(spec, dict) and "vocab_size" not in spec:
-        # The fit CLI links the tokenizer's vocabulary into a config-dict target; do the same.
-        spec = {**spec, "vocab_size": _datamodule(config).vocab_size}
-    return spec, init_args.get("target_seed")
 
 
 def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]:

@@ -11,6 +11,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.datamodules import PackedChatDataModule
@@ -40,6 +41,10 @@ class DraftCLI(LightningCLI):
             isinstance(callback, ProgressBar) for callback in callbacks
         ):
             callbacks.append(console_progress_bar())
+        # Every fit says how far its answers are from the target's own (a config's own
+        # DataMatchCallback, e.g. with num_documents: 0, wins).
+        if self.subcommand == "fit" and not any(isinstance(c, DataMatchCallback) for c in callbacks):
+            callbacks.append(DataMatchCallback())
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
     def before_instantiate_classes(self) -> None:

@@ -11,12 +11,13 @@ SUBCOMMANDS = {
     "validate": "validation metrics of a config's model, e.g. of a checkpoint (--ckpt_path)",
     "export": "write a trained checkpoint in the layout vLLM / SGLang load, validated against its target",
     "evaluate": "serve an export with real greedy speculative decoding: served vs training acceptance",
+    "regenerate": "rewrite a config's answers with its own target (train on what the target writes)",
 }
 USAGE = (
     "usage: lightning-drafts {"
     + ",".join(SUBCOMMANDS)
     + "} ...\n\n"
-    + "\n".join(f"  {name:10}{text}" for name, text in SUBCOMMANDS.items())
+    + "\n".join(f"  {name:12}{text}" for name, text in SUBCOMMANDS.items())
 )
 
 
@@ -35,6 +36,10 @@ def main(args: list[str] | None = None) -> None:
         from lightning_drafts.cli.evaluate import evaluate_main
 
         evaluate_main(given[1:])
+    elif command == "regenerate":
+        from lightning_drafts.cli.regenerate import regenerate_main
+
+        regenerate_main(given[1:])
     elif command in SUBCOMMANDS:
         run_cli(args)
     else:

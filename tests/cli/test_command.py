@@ -27,7 +27,7 @@ def test_help_lists_every_subcommand_without_loading_torch():
     )
     result = run("-c", probe)
     assert result.returncode == 0, result.stderr
-    for subcommand in ("fit", "validate", "export", "evaluate"):
+    for subcommand in ("fit", "validate", "export", "evaluate", "regenerate"):
         assert f"  {subcommand} " in result.stdout, subcommand
 
 

@@ -443,7 +443,8 @@ def test_trains_a_few_steps_in_a_lightning_trainer():
     metrics = trainer.callback_metrics
     expected = {"train/loss", "train/accept_len", "train/acc_pos0", "train/valid_tokens", "train/tau"}
     expected |= {"train/accept_rate_k0", "train/ce_loss", "train/tv_loss", "train/confidence_abs_error"}
-    expected |= {"val/loss", "val/accept_len", "val/tau", "val/accept_rate_k3", "val/confidence_cumprod_bias"}
+    # (A ratio nothing was counted for, e.g. a slot no validation block reaches, logs no value.)
+    expected |= {"val/loss", "val/accept_len", "val/tau", "val/accept_rate_k0", "val/confidence_cumprod_bias"}
     assert expected <= set(metrics)
     assert torch.isfinite(metrics["train/loss"]) and 1.0 <= float(metrics["val/tau"]) <= BLOCK + 1
     changed = [k for k, v in module.draft.state_dict().items() if not torch.equal(before[k], v)]

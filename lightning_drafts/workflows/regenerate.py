@@ -1,0 +1,422 @@
+"""Train on the target's own answers: rewrite every assistant turn of a data module's conversations with
+the frozen target's generation, turn by turn.
+
+A draft trained on dataset answers learns tokens its target would not have written, and accepts fewer
+when served; regenerating the answers with the target (as SpecForge, NeMo and the EAGLE authors advise)
+removes that gap. The output is OpenAI ``messages`` JSON Lines that
+:class:`~lightning_drafts.datamodules.PackedChatDataModule` reads, plus ``<output>.meta.json``.
+
+Work is cut into **batches of consecutive source rows** (``batch_size`` rows each, fixed by row index),
+so what a batch generates never depends on where a run started, which worker ran it or what ran before:
+
+* a killed run resumes at the first batch it had not written (``resume=True``), and the file equals an
+  uninterrupted run's;
+* worker ``i`` of ``n`` takes batches ``i, i + n, ...`` into its own shard file, and
+  :func:`merge_shards` orders the rows by source row: the same file as one worker.
+
+Sampling (``temperature > 0``) is seeded per conversation turn (``seed``, row, turn), for the same reason.
+A row that cannot be continued (not a conversation, a prompt longer than ``max_prompt_tokens``, an
+empty user turn) is not written; it is counted by reason and named in the metadata, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from lightning_drafts.datamodules.chat_format import MalformedRow
+from lightning_drafts.datamodules.tokenize import render_prompt
+
+THINKING_MODES = (None, "on", "off", "both")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each assistant turn is generated: greedy at ``temperature`` 0, else nucleus sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature = {self.temperature}; it must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}; it must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens}; it must be >= 1")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One assistant turn to generate: the rendered prompt's token ids and the seed of its sampling."""
+
+    prompt: list[int]
+    seed: int
+
+
+# An engine turns requests into the generated token ids (stop token excluded), one list per request.
+Engine = Callable[[Sequence[Request], Sampling], list[list[int]]]
+
+
+class TransformersEngine:
+    """Generation on the frozen target with transformers' ``generate`` (KV cache, left padding).
+
+    Greedy requests run as one left-padded batch; sampled ones one at a time under their own seed, so a
+    token drawn for one conversation never depends on the others in its batch.
+    """
+
+    def __init__(self, model: Any, pad_token_id: int, stop_token_ids: Iterable[int]) -> None:
+        self.model = model.eval()
+        self.pad_token_id = int(pad_token_id)
+        self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
+        if not self.stop_token_ids:
+            raise ValueError("the tokenizer has no eos token: pass the ids that end an assistant turn")
+
+    @torch.no_grad()
+    def __call__(self, requests: Sequence[Request], sampling: Sampling) -> list[list[int]]:
+        if sampling.temperature == 0:
+            return self._generate([r.prompt for r in requests], sampling)
+        outputs = []
+        for request in requests:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(request.seed)
+                outputs += self._generate([request.prompt], sampling)
+        return outputs
+
+    def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        options: dict[str, Any] = {"do_sample": False}
+        if sampling.temperature > 0:
+            options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
+        generated = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+            top_k=None,
+            **options,
+        )[:, width:].tolist()
+        return [_until_stop(tokens, self.stop_token_ids) for tokens in generated]
+
+
+def _until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
+    for position, token in enumerate(tokens):
+        if token in stop:
+            return tokens[:position]
+    return tokens
+
+
+@dataclass
+class Counts:
+    conversations: int = 0
+    rows_written: int = 0
+    assistant_turns: int = 0
+    generated_tokens: int = 0
+    # Turns that reached max_new_tokens before the target ended them: the template closes them with an
+    # end-of-turn token the target did not choose there (the data match then counts it as a miss).
+    turns_cut_at_max_new_tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skipped_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RegenerateOptions:
+    """Everything that decides the output file (recorded in the metadata; a resume must match it)."""
+
+    sampling: Sampling = Sampling()
+    thinking: str | None = None
+    batch_size: int = 8
+    max_prompt_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.thinking not in THINKING_MODES:
+            raise ValueError(f"thinking = {self.thinking!r}; choose one of {THINKING_MODES}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size = {self.batch_size}; it must be >= 1")
+
+
+def regenerate(
+    datamodule: Any,
+    engine: Engine,
+    output: str | Path,
+    options: RegenerateOptions = RegenerateOptions(),
+    provenance: dict[str, Any] | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    worker: tuple[int, int] = (0, 1),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Rewrite the assistant turns of ``datamodule.conversations()`` with ``engine`` into ``output``.
+
+    ``worker = (i, n)``: this worker's share (batches ``i, i + n, ...``), written to ``output`` itself;
+    give each worker its own ``output`` (:func:`shard_path`) and :func:`merge_shards` them. Returns the
+    metadata written beside the output (``<output>.meta.json``)."""
+    index, workers = worker
+    if not 0 <= index < workers:
+        raise ValueError(f"worker = {worker}; it must be (i, n) with 0 <= i < n")
+    output = Path(output)
+    meta_path = metadata_path(output)
+    rows = list(datamodule.conversations())
+    settings = {
+        **asdict(options),
+        "worker": [index, workers],
+        "data": _data_fingerprint(datamodule, rows),
+        **(provenance or {}),
+    }
+    done = _start(output, meta_path, settings, resume, overwrite)
+    tokenizer, template = datamodule.tokenizer, datamodule.chat_template
+    if options.thinking in ("on", "both") and "enable_thinking" not in template:
+        raise ValueError(
+            f"thinking = {options.thinking!r}, but the chat template has no enable_thinking switch; "
+            "leave thinking unset for this tokenizer"
+        )
+    counts = _read_counts(meta_path) if done else Counts()
+    batches = [rows[start : start + options.batch_size] for start in range(0, len(rows), options.batch_size)]
+    mine = [(n, b) for n, b in enumerate(batches) if n % workers == index and n >= done]
+    bar = tqdm(
+        total=sum(len(b) for _, b in mine),
+        desc="regenerate",
+        unit="conversation",
+        file=sys.stderr,
+        disable=None if progress else True,
+        dynamic_ncols=True,
+    )
+    started = time.perf_counter()
+    with output.open("a", encoding="utf-8") as out:
+        for number, batch in mine:
+            written = _regenerate_batch(batch, engine, options, tokenizer, template, counts)
+            for row in written:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+            _write_metadata(meta_path, settings, counts, next_batch=number + 1, finished=False)
+            bar.update(len(batch))
+            bar.set_postfix_str(
+                f"{counts.generated_tokens / max(time.perf_counter() - started, 1e-9):.1f} tokens/s",
+                refresh=False,
+            )
+    bar.close()
+    if counts.skipped:
+        warnings.warn(
+            f"{sum(counts.skipped.values())} conversation(s) were not regenerated ({dict(counts.skipped)}); "
+            f"{meta_path} names them",
+            stacklevel=2,
+        )
+    return _write_metadata(meta_path, settings, counts, next_batch=len(batches), finished=True)
+
+
+def _regenerate_batch(
+    batch: list[tuple[int, Any]],
+    engine: Engine,
+    options: RegenerateOptions,
+    tokenizer: Any,
+    template: str,
+    counts: Counts,
+) -> list[dict[str, Any]]:
+    """The regenerated rows of one batch, in source-row order (turn ``k`` of every conversation is
+    generated together: multi-turn conversations continue from their own regenerated turns)."""
+    modes = {"both": [True, False], "on": [True], "off": [False], None: [None]}[options.thinking]
+    jobs = []  # (source row, thinking, remaining messages, regenerated so far)
+    for row, messages in batch:
+        counts.conversations += 1
+        problem = messages.reason if isinstance(messages, MalformedRow) else _unanswerable(messages)
+        if problem is not None:
+            counts.skipped[problem] += 1
+            counts.skipped_rows.append({"row": row, "reason": problem})
+            continue
+        jobs += [(row, mode, list(messages), []) for mode in modes]
+    finished, turn = [], 0
+    encode = tokenizer.backend_tokenizer.encode
+    while jobs:
+        requests, waiting, still = [], [], []
+        for job in jobs:
+            row, mode, remaining, so_far = job
+            while remaining and remaining[0]["role"] != "assistant":
+                so_far.append(remaining.pop(0))
+            if not remaining:
+                finished.append(job)
+                continue
+            kwargs = {} if mode is None else {"enable_thinking": mode}
+            prompt = encode(
+                render_prompt(so_far, template, tokenizer, **kwargs), add_special_tokens=False
+            ).ids
+            if len(prompt) > options.max_prompt_tokens:
+                reason = f"prompt longer than max_prompt_tokens={options.max_prompt_tokens}"
+                counts.skipped[reason] += 1
+                counts.skipped_rows.append({"row": row, "reason": reason, "turn": len(so_far)})
+                continue
+            requests.append(Request(prompt, _seed(options.sampling.seed, row, turn, mode)))
+            waiting.append(job)
+        if requests:
+            for job, tokens in zip(waiting, engine(requests, options.sampling), strict=True):
+                row, mode, remaining, so_far = job
+                remaining.pop(0)
+                so_far.append({"role": "assistant", "content": tokenizer.decode(tokens)})
+                counts.assistant_turns += 1
+                counts.generated_tokens += len(tokens)
+                counts.turns_cut_at_max_new_tokens += len(tokens) >= options.sampling.max_new_tokens
+                still.append(job)
+        jobs, turn = still, turn + 1
+    rows = []
+    for row, mode, _, messages in sorted(finished, key=lambda job: (job[0], job[1] is False)):
+        record: dict[str, Any] = {"messages": messages, "source_row": row}
+        if mode is not None:
+            record["thinking"] = mode
+        rows.append(record)
+    counts.rows_written += len(rows)
+    return rows
+
+
+def _unanswerable(messages: list[dict[str, str]]) -> str | None:
+    for message in messages:
+        if message["role"] == "user" and not message["content"].strip():
+            return "empty user turn"
+    return None
+
+
+def _seed(seed: int, row: int, turn: int, mode: bool | None) -> int:
+    digest = hashlib.sha256(f"{seed}/{row}/{turn}/{mode}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def metadata_path(output: str | Path) -> Path:
+    """Where the metadata of ``output`` lives (beside it, so the JSON Lines hold only conversations)."""
+    return Path(f"{output}.meta.json")
+
+
+def shard_path(output: str | Path, worker: int, workers: int) -> Path:
+    """Worker ``worker`` of ``workers``'s file for ``output``."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.worker{worker}of{workers}{output.suffix}")
+
+
+def merge_shards(output: str | Path, workers: int, overwrite: bool = False) -> dict[str, Any]:
+    """One file from the ``workers`` shards of ``output`` (:func:`shard_path`), rows in source-row order:
+    the file one worker would have written. Every shard must be finished."""
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} exists; pass overwrite=True (--overwrite) to replace it")
+    rows, counts, settings = [], Counts(), None
+    for worker in range(workers):
+        path = shard_path(output, worker, workers)
+        meta = json.loads(metadata_path(path).read_text()) if metadata_path(path).exists() else None
+        if meta is None or not meta["finished"]:
+            raise ValueError(
+                f"worker {worker} of {workers} has not finished ({path}); run or resume it first"
+            )
+        rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        part = _counts_of(meta["counts"])
+        for name in (
+            "conversations",
+            "rows_written",
+            "assistant_turns",
+            "generated_tokens",
+            "turns_cut_at_max_new_tokens",
+        ):
+            setattr(counts, name, getattr(counts, name) + getattr(part, name))
+        counts.skipped += part.skipped
+        counts.skipped_rows += part.skipped_rows
+        settings = {**meta["settings"], "worker": [0, 1]}
+    rows.sort(key=lambda row: (row["source_row"], row.get("thinking") is False))
+    counts.skipped_rows.sort(key=lambda item: item["row"])
+    with output.open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return _write_metadata(metadata_path(output), settings, counts, next_batch=None, finished=True)
+
+
+def _start(output: Path, meta_path: Path, settings: dict[str, Any], resume: bool, overwrite: bool) -> int:
+    """The first batch number to run; refuses an existing output unless resuming (same settings) or
+    overwriting."""
+    if resume and overwrite:
+        raise ValueError("pass resume or overwrite, not both")
+    if not output.exists():
+        if resume:
+            raise FileNotFoundError(f"{output} does not exist: nothing to resume; drop --resume")
+        meta_path.unlink(missing_ok=True)
+        return 0
+    if overwrite:
+        output.unlink()
+        meta_path.unlink(missing_ok=True)
+        return 0
+    if not resume:
+        raise FileExistsError(f"{output} exists; pass --resume to continue it or --overwrite to start again")
+    if not meta_path.exists():
+        raise ValueError(
+            f"{output} has no {meta_path.name}: it was not written by regenerate; cannot resume it"
+        )
+    meta = json.loads(meta_path.read_text())
+    changed = {k: (meta["settings"].get(k), v) for k, v in settings.items() if meta["settings"].get(k) != v}
+    if changed:
+        raise ValueError(
+            f"cannot resume {output}: these settings differ from the run that wrote it (was, now): {changed}; "
+            "resume with the same settings or pass --overwrite"
+        )
+    # Keep only what the metadata vouches for: a kill between the rows and the metadata, or mid-line,
+    # leaves rows of a batch the metadata does not count; that batch runs again.
+    lines = output.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = lines[: meta["counts"]["rows_written"]]
+    output.write_text("".join(kept), encoding="utf-8")
+    if meta["next_batch"] is None:
+        raise ValueError(f"{output} was merged from worker shards; there is nothing to resume")
+    return int(meta["next_batch"])
+
+
+def _data_fingerprint(datamodule: Any, rows: list[tuple[int, Any]]) -> str:
+    digest = hashlib.sha256()
+    for row, messages in rows:
+        digest.update(json.dumps([row, getattr(messages, "reason", messages)], sort_keys=True).encode())
+    digest.update(datamodule.chat_template.encode())
+    return digest.hexdigest()[:16]
+
+
+def _write_metadata(
+    path: Path, settings: dict[str, Any], counts: Counts, next_batch: int | None, finished: bool
+) -> dict[str, Any]:
+    meta = {
+        "settings": settings,
+        "counts": {**asdict(counts), "skipped": dict(counts.skipped)},
+        "next_batch": next_batch,
+        "finished": finished,
+    }
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    os.replace(temporary, path)
+    return meta
+
+
+def _read_counts(path: Path) -> Counts:
+    return _counts_of(json.loads(path.read_text())["counts"])
+
+
+def _counts_of(data: dict[str, Any]) -> Counts:
+    return Counts(
+        conversations=data["conversations"],
+        rows_written=data["rows_written"],
+        assistant_turns=data["assistant_turns"],
+        generated_tokens=data["generated_tokens"],
+        turns_cut_at_max_new_tokens=data["turns_cut_at_max_new_tokens"],
+        skipped=Counter(data["skipped"]),
+        skipped_rows=list(data["skipped_rows"]),
+    )

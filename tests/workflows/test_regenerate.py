@@ -1,0 +1,249 @@
+"""`regenerate`: the target's own answers, turn by turn, resumable and split across workers, and the data
+match check that tells a fit whether its answers are the target's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_drafts.callbacks import DataMatchCallback
+from lightning_drafts.cli.main import main as cli_main
+from lightning_drafts.cli.main import run_cli
+from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.training.data_match import target_match
+from lightning_drafts.training.target import FrozenTarget
+from lightning_drafts.workflows.regenerate import (
+    RegenerateOptions,
+    Request,
+    Sampling,
+    TransformersEngine,
+    merge_shards,
+    metadata_path,
+    regenerate,
+    shard_path,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = "shipped:tiny-llama"
+CONVERSATIONS = [
+    [("user", "Hello! How are you today?"), ("assistant", "Fine, thanks.")],
+    [("system", "Be brief."), ("user", "What do you like to do?"), ("assistant", "Reading.")],
+    [("user", "I just got back from a trip"), ("assistant", "Where to?"), ("user", "The mountains"),
+     ("assistant", "Nice!")],
+    [("user", "Do you have any pets?"), ("assistant", "No.")],
+    [("user", "   "), ("assistant", "You said nothing.")],  # an empty user turn: counted, not written
+    [("user", "What is your favourite food?"), ("assistant", "Pizza.")],
+    [("user", "Tell me about your weekend"), ("assistant", "It was quiet."), ("user", "Why?"),
+     ("assistant", "Rain.")],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def target() -> FrozenTarget:
+    return FrozenTarget(TARGET)
+
+
+@pytest.fixture
+def chats(tmp_path: Path) -> Path:
+    path = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": r, "content": c} for r, c in turns]} for turns in CONVERSATIONS]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def data(files: Path, tmp_path: Path, **kwargs) -> PackedChatDataModule:
+    return PackedChatDataModule(
+        data_files=str(files), tokenizer=TARGET, max_tokens=256, cache_dir=str(tmp_path / "cache"), **kwargs
+    )
+
+
+def engine(target: FrozenTarget, datamodule: PackedChatDataModule) -> TransformersEngine:
+    return TransformersEngine(target.model, datamodule.pad_token_id, [datamodule.tokenizer.eos_token_id])
+
+
+OPTIONS = RegenerateOptions(Sampling(max_new_tokens=12), batch_size=2)
+
+
+def test_batched_greedy_generation_equals_the_targets_own_greedy_decode(target, chats, tmp_path):
+    """Left-padded batches of prompts of different lengths (transformers' generate with its KV cache)
+    give each prompt exactly the target's cache-free greedy decode."""
+    tokenizer = data(chats, tmp_path).tokenizer
+    prompts = [
+        tokenizer(text, add_special_tokens=False).input_ids for text in ("Hi", "How was your day today?")
+    ]
+    prompts.append(prompts[1][:3])
+    generated = engine(target, data(chats, tmp_path))(
+        [Request(p, 0) for p in prompts], Sampling(max_new_tokens=10)
+    )
+    eos = tokenizer.eos_token_id
+    for prompt, tokens in zip(prompts, generated, strict=True):
+        reference = greedy_generate(target, torch.tensor(prompt), 10, stop_token_ids=[eos])
+        assert tokens == [t for t in reference if t != eos]
+
+
+def test_regenerated_answers_are_the_targets_turn_by_turn(target, chats, tmp_path):
+    datamodule = data(chats, tmp_path)
+    output = tmp_path / "answers.jsonl"
+    with pytest.warns(
+        UserWarning, match=r"1 conversation\(s\) were not regenerated \({'empty user turn': 1}\)"
+    ):
+        meta = regenerate(datamodule, engine(target, datamodule), output, OPTIONS, progress=False)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["source_row"] for row in rows] == [0, 1, 2, 3, 5, 6]
+    assert meta["counts"]["skipped_rows"] == [{"row": 4, "reason": "empty user turn"}]
+    assert meta["counts"]["assistant_turns"] == 8 and meta["finished"]
+    for row in rows:
+        original = CONVERSATIONS[row["source_row"]]
+        # System and user turns kept, every assistant turn replaced by the target's continuation of the
+        # regenerated conversation before it.
+        assert [m["role"] for m in row["messages"]] == [role for role, _ in original]
+        for position, (role, content) in enumerate(original):
+            if role != "assistant":
+                assert row["messages"][position]["content"] == content
+                continue
+            prompt = datamodule.tokenizer.apply_chat_template(
+                row["messages"][:position], add_generation_prompt=True, tokenize=False
+            )
+            ids = torch.tensor(datamodule.tokenizer(prompt, add_special_tokens=False).input_ids)
+            expected = greedy_generate(target, ids, 12, stop_token_ids=[datamodule.tokenizer.eos_token_id])
+            text = datamodule.tokenizer.decode(
+                [t for t in expected if t != datamodule.tokenizer.eos_token_id]
+            )
+            assert row["messages"][position]["content"] == text
+
+
+def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_rows(target, chats, tmp_path):
+    datamodule = data(chats, tmp_path)
+    whole = tmp_path / "whole.jsonl"
+    with pytest.warns(UserWarning):
+        regenerate(datamodule, engine(target, datamodule), whole, OPTIONS, progress=False)
+
+    calls = 0
+
+    def dies_on_the_third_batch(requests, sampling):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return engine(target, datamodule)(requests, sampling)
+
+    killed = tmp_path / "killed.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(datamodule, dies_on_the_third_batch, killed, OPTIONS, progress=False)
+    with killed.open("a") as out:
+        out.write('{"messages": [{"role": "user", "conte')  # a line cut by the kill
+    assert json.loads(metadata_path(killed).read_text())["finished"] is False
+    with pytest.raises(FileExistsError, match="pass --resume to continue it or --overwrite"):
+        regenerate(datamodule, engine(target, datamodule), killed, OPTIONS, progress=False)
+    with pytest.raises(ValueError, match="settings differ"):
+        regenerate(
+            datamodule, engine(target, datamodule), killed, RegenerateOptions(batch_size=3), resume=True
+        )
+    with pytest.warns(UserWarning):
+        regenerate(datamodule, engine(target, datamodule), killed, OPTIONS, resume=True, progress=False)
+    assert killed.read_text() == whole.read_text()
+
+    for worker in range(2):
+        regenerate(
+            datamodule, engine(target, datamodule), shard_path(tmp_path / "split.jsonl", worker, 2), OPTIONS,
+            worker=(worker, 2), progress=False,
+        )  # fmt: skip
+    merged = merge_shards(tmp_path / "split.jsonl", 2)
+    assert (tmp_path / "split.jsonl").read_text() == whole.read_text()
+    assert merged["counts"] == json.loads(metadata_path(whole).read_text())["counts"]
+
+
+def test_sampled_answers_depend_on_the_seed_not_on_the_batch(target, chats, tmp_path):
+    datamodule = data(chats, tmp_path)
+    runs = {}
+    for name, batch_size, seed in (("a", 1, 5), ("b", 3, 5), ("c", 3, 6)):
+        options = RegenerateOptions(
+            Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed), batch_size=batch_size
+        )
+        with pytest.warns(UserWarning):
+            regenerate(
+                datamodule, engine(target, datamodule), tmp_path / f"{name}.jsonl", options, progress=False
+            )
+        runs[name] = [
+            json.loads(line)["messages"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        ]
+    assert runs["a"] == runs["b"]
+    assert runs["a"] != runs["c"]
+
+
+def test_bad_requests_are_refused_with_the_fix(target, chats, tmp_path):
+    datamodule = data(chats, tmp_path)
+    with pytest.raises(ValueError, match="no enable_thinking switch"):
+        regenerate(
+            datamodule, engine(target, datamodule), tmp_path / "t.jsonl", RegenerateOptions(thinking="on")
+        )
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        regenerate(datamodule, engine(target, datamodule), tmp_path / "none.jsonl", OPTIONS, resume=True)
+    with pytest.raises(ValueError, match="temperature = -1"):
+        Sampling(temperature=-1)
+    with pytest.raises(ValueError, match=r"worker = \(2, 2\)"):
+        regenerate(datamodule, engine(target, datamodule), tmp_path / "w.jsonl", OPTIONS, worker=(2, 2))
+    short = RegenerateOptions(Sampling(max_new_tokens=4), max_prompt_tokens=12)
+    with pytest.warns(UserWarning, match="prompt longer than max_prompt_tokens=12"):
+        meta = regenerate(datamodule, engine(target, datamodule), tmp_path / "s.jsonl", short, progress=False)
+    assert meta["counts"]["skipped"]["prompt longer than max_prompt_tokens=12"] >= 1
+
+
+def test_the_data_match_is_total_on_regenerated_answers_and_fit_logs_it(target, chats, tmp_path):
+    datamodule = data(chats, tmp_path)
+    output = tmp_path / "answers.jsonl"
+    # Room for every turn to end where the target ends it (a turn cut at max_new_tokens gets an end of turn
+    # the target did not choose, and is counted).
+    options = RegenerateOptions(Sampling(max_new_tokens=64), batch_size=4)
+    with pytest.warns(UserWarning):
+        meta = regenerate(datamodule, engine(target, datamodule), output, options, progress=False)
+    assert meta["counts"]["turns_cut_at_max_new_tokens"] == 0
+    datamodule.setup("fit")
+    original = target_match(target, datamodule.train_documents, num_documents=16)
+    regenerated = data(output, tmp_path)
+    regenerated.setup("fit")
+    own = target_match(target, regenerated.train_documents, num_documents=16)
+    assert own.share == 1.0 and own.supervised > 20
+    assert original.share < 0.8
+
+    config = ROOT / "configs" / "quickstart" / "eagle3.yaml"
+    cli = run_cli(
+        [
+            "fit",
+            f"--config={config}",
+            f"--data.init_args.data_files={output}",
+            "--data.init_args.val_fraction=0",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        ]
+    )
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, DataMatchCallback)]
+    assert callback.result.share == 1.0
+    events = EventAccumulator(cli.trainer.logger.log_dir)
+    events.Reload()
+    assert [e.value for e in events.Scalars("data/target_match")] == [1.0]
+
+
+def test_the_cli_regenerates_checks_and_refuses_an_existing_output(chats, tmp_path, capsys):
+    config = tmp_path / "fit.yaml"
+    config.write_text(
+        "model:\n  class_path: lightning_drafts.Eagle3Module\n  init_args:\n    target: shipped:tiny-llama\n"
+        f"data:\n  class_path: lightning_drafts.datamodules.PackedChatDataModule\n  init_args:\n"
+        f"    data_files: {chats}\n    tokenizer: shipped:tiny-llama\n    max_tokens: 256\n"
+    )
+    output = tmp_path / "cli.jsonl"
+    common = [f"--config={config}", f"--cache-dir={tmp_path / 'cache'}"]
+    cli_main(["regenerate", *common, f"--output={output}", "--max-new-tokens=8", "--limit=3"])
+    assert "wrote" in capsys.readouterr().out
+    assert len(output.read_text().splitlines()) == 3
+    with pytest.raises(FileExistsError, match="--resume"):
+        cli_main(["regenerate", *common, f"--output={output}"])
+    cli_main(["regenerate", *common, "--check=4"])
+    assert "data match: " in capsys.readouterr().out
