@@ -44,8 +44,11 @@ def regenerate_main(args: list[str]) -> None:
 
     from lightning_drafts.training.target import FrozenTarget
 
-    target = FrozenTarget(spec, dtype=parsed.target_dtype, seed=seed or 0).to(parsed.device)
+    def frozen_target() -> FrozenTarget:
+        return FrozenTarget(spec, dtype=parsed.target_dtype, seed=seed or 0).to(parsed.device)
+
     if parsed.check is not None:
+        target = frozen_target()
         from lightning_drafts.training.data_match import target_match
 
         datamodule.setup("fit")
@@ -69,7 +72,16 @@ def regenerate_main(args: list[str]) -> None:
     worker, workers = _worker(parsed.worker)
     tokenizer = datamodule.tokenizer
     stops = [tokenizer.eos_token_id, *(parsed.stop_token_id or [])]
-    engine = TransformersEngine(target.model, datamodule.pad_token_id, [t for t in stops if t is not None])
+    stops = [t for t in stops if t is not None]
+    if parsed.engine == "vllm":
+        from lightning_drafts.shipped import resolve_shipped
+        from lightning_drafts.workflows.regenerate import VLLMEngine
+
+        if not isinstance(spec, str):
+            raise SystemExit("--engine vllm serves a target directory or hub id, not a config-dict target")
+        engine = VLLMEngine(resolve_shipped(spec), stops, parsed.vllm_python)
+    else:
+        engine = TransformersEngine(frozen_target().model, datamodule.pad_token_id, stops)
     options = RegenerateOptions(
         sampling=Sampling(parsed.temperature, parsed.top_p, parsed.max_new_tokens, parsed.seed),
         thinking=parsed.thinking,
@@ -82,7 +94,7 @@ def regenerate_main(args: list[str]) -> None:
         engine,
         output,
         options,
-        provenance={"target": _describe(spec), "engine": "transformers"},
+        provenance={"target": _describe(spec), "engine": parsed.engine},
         resume=parsed.resume,
         overwrite=parsed.overwrite,
         worker=(worker, workers),
@@ -136,6 +148,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue a killed run's --output")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--check", type=int, metavar="N", help="only print the data match over N documents")
+    parser.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="vllm: a real vLLM engine (its environment: .ci/vllm-env), greedy only",
+    )
+    parser.add_argument(
+        "--vllm-python", help="the vLLM environment's python (default: found as evaluate finds it)"
+    )
     parser.add_argument("--target-dtype", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cache-dir", default=None)

@@ -120,6 +120,37 @@ class TransformersEngine:
         return [_until_stop(tokens, self.stop_token_ids) for tokens in generated]
 
 
+class VLLMEngine:
+    """Greedy generation by a real vLLM engine in its own environment
+    (:func:`~lightning_drafts.serving.vllm_engine.run_vllm`): one engine per call, serving every request of
+    the call together, so give it large batches (``batch_size``). Greedy only: its sampled tokens would
+    come from vLLM's own generator, not from the per-turn seeds."""
+
+    def __init__(
+        self, target: str | Path, stop_token_ids: Iterable[int], python: str | Path | None = None
+    ) -> None:
+        self.target = str(target)
+        self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
+        self.python = python
+
+    def __call__(self, requests: Sequence[Request], sampling: Sampling) -> list[list[int]]:
+        from lightning_drafts.serving.vllm_engine import VLLMRequest, run_vllm
+
+        if sampling.temperature != 0:
+            raise ValueError(
+                f"temperature = {sampling.temperature}: the vLLM engine of regenerate is greedy only; use "
+                "temperature 0 or the transformers engine"
+            )
+        request = VLLMRequest(
+            target=self.target,
+            prompts=[r.prompt for r in requests],
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=False,
+        )
+        return [_until_stop(t, self.stop_token_ids) for t in run_vllm(request, self.python).generations]
+
+
 def _until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
     for position, token in enumerate(tokens):
         if token in stop:

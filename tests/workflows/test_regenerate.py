@@ -247,3 +247,26 @@ def test_the_cli_regenerates_checks_and_refuses_an_existing_output(chats, tmp_pa
         cli_main(["regenerate", *common, f"--output={output}"])
     cli_main(["regenerate", *common, "--check=4"])
     assert "data match: " in capsys.readouterr().out
+
+
+def test_vllm_regenerates_the_same_answers_as_the_transformers_engine(target, chats, tmp_path):
+    """A real vLLM engine (its own environment, built by .ci/vllm-env) writes the same file, token for
+    token, as the built-in engine at temperature 0."""
+    from lightning_drafts.shipped import resolve_shipped
+    from lightning_drafts.workflows.regenerate import VLLMEngine
+    from tests.vllm_subprocess import vllm_python
+
+    datamodule = data(chats, tmp_path)
+    options = RegenerateOptions(Sampling(max_new_tokens=12), batch_size=len(CONVERSATIONS))
+    eos = [datamodule.tokenizer.eos_token_id]
+    files = {}
+    for name, engine_of in (
+        ("transformers", lambda: engine(target, datamodule)),
+        ("vllm", lambda: VLLMEngine(resolve_shipped(TARGET), eos, vllm_python())),
+    ):
+        files[name] = tmp_path / f"{name}.jsonl"
+        with pytest.warns(UserWarning, match="empty user turn"):
+            regenerate(datamodule, engine_of(), files[name], options, progress=False)
+    assert files["vllm"].read_text() == files["transformers"].read_text()
+    with pytest.raises(ValueError, match="greedy only"):
+        VLLMEngine(resolve_shipped(TARGET), eos)([Request([1, 2], 0)], Sampling(temperature=0.5))
