@@ -26,11 +26,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_drafts.datamodules.documents import Documents
-from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
+from lightning_drafts.datamodules.feature_store import SourceFeatures
+from lightning_drafts.datamodules.packing import MicroBatchPlan, collate_placed, place, plan_epoch
 
 
 class PackedEpochDataset(IterableDataset):
-    """Micro-batches of one epoch for one rank; set ``epoch`` and ``skip`` before iterating."""
+    """Micro-batches of one epoch for one rank; set ``epoch`` and ``skip`` before iterating. With
+    ``features``, each micro-batch also carries its documents' captured target features, laid out as
+    its tokens are."""
 
     def __init__(
         self,
@@ -45,8 +48,10 @@ class PackedEpochDataset(IterableDataset):
         shuffle_buffer: int,
         world_size: int,
         rank: int,
+        features: SourceFeatures | None = None,
     ) -> None:
         self.documents = documents
+        self.features = features
         self.pad_token_id = pad_token_id
         self.plan_kwargs = dict(
             mode=mode,
@@ -81,7 +86,11 @@ class PackedEpochDataset(IterableDataset):
         worker = get_worker_info()
         first, step = (0, 1) if worker is None else (worker.id, worker.num_workers)
         for index in range(self.skip + first, len(plan), step):
-            yield collate(self.documents, plan, index, self.pad_token_id)
+            placement = place(self.documents, plan, index)
+            batch = collate_placed(self.documents, placement, self.pad_token_id)
+            if self.features is not None:
+                batch.update(self.features.gather(self.documents, placement))
+            yield batch
 
 
 class LoaderState:
