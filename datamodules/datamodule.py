@@ -360,11 +360,21 @@ class PackedChatDataModule(LightningDataModule):
     # ------------------------------------------------------------------ loaders
 
     def train_dataloader(self) -> ResumableLoader:
+        return self._train_loader(features=True)
+
+    def token_dataloader(self) -> ResumableLoader:
+        """The train loader without target features: what a pass over the tokens alone reads (counting
+        the supervised tokens of a draft vocabulary), which then costs no feature read."""
+        return self._train_loader(features=False)
+
+    def _train_loader(self, features: bool) -> ResumableLoader:
         self.setup("fit")
         world_size, rank = self._world()
         dataset = self._dataset(
             self.train_documents, shuffle=True, world_size=world_size, rank=rank, split="train"
         )
+        if not features:
+            dataset.features = None
         return ResumableLoader(dataset, self._loader_state, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -4,6 +4,7 @@ features its draft trains from (then ``fit --data.init_args.features_dir DIR`` t
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def capture_main(args: list[str]) -> None:
@@ -31,9 +32,20 @@ def capture_main(args: list[str]) -> None:
     )
     parsed, overrides = parser.parse_known_args(args)
 
+    import torch
+    import torch.distributed as dist
+
     from lightning_drafts.cli.fit import build_from_config
     from lightning_drafts.workflows.capture import SHARD_BYTES, capture_features
 
+    device = None
+    # Under torchrun every rank captures its own shards (the manifest is completed by rank 0).
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
     module, datamodule = build_from_config([f"--config={c}" for c in parsed.config] + overrides)
     summary = capture_features(
         module,
@@ -44,8 +56,11 @@ def capture_main(args: list[str]) -> None:
         shard_bytes=parsed.shard_bytes or SHARD_BYTES,
         keep_free_bytes=parsed.keep_free_bytes,
         max_shards=parsed.max_shards,
+        device=device,
     )
     state = "complete" if summary.complete else "incomplete (run the same command again to resume)"
+    if dist.is_initialized():
+        dist.destroy_process_group()
     print(
         f"captured {summary.shards_written} shard(s) in {summary.seconds:.1f} s -> {summary.directory}: "
         f"{state}, about {summary.bytes_estimated / 2**20:.1f} MiB of features"

@@ -173,7 +173,9 @@ class Eagle3Base(DraftModule):
                 f"({self.target.vocab_size}) needs token frequencies: pass token_frequencies=..., call "
                 "build_vocab_mapping(counts) before fit, or fit with a datamodule"
             )
-        counts = count_supervised_tokens(datamodule.train_dataloader(), self.target.vocab_size)
+        # Tokens only: a data module training from captured features need not read them to count.
+        loader = getattr(datamodule, "token_dataloader", datamodule.train_dataloader)()
+        counts = count_supervised_tokens(loader, self.target.vocab_size)
         strategy = self.trainer.strategy
         # Ranks may read different shards; a sum keeps the ranking exact either way.
         counts = strategy.reduce(counts.to(strategy.root_device), reduce_op="sum").cpu()

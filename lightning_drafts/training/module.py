@@ -123,7 +123,7 @@ class DraftModule(L.LightningModule):
         return TargetOutput.from_features(packed.target_features, layer_ids, self.target.compute_dtype)
 
     @torch.no_grad()
-    def capture_features(self, batch: Mapping[str, Tensor] | PackedBatch) -> dict[str, Tensor]:
+    def features_for(self, batch: Mapping[str, Tensor] | PackedBatch) -> dict[str, Tensor]:
         """The feature keys of :mod:`lightning_drafts.core.target_features` for ``batch``'s rows, from one
         live forward: what :meth:`feature_request` names, zero on padding and where the final state is not
         needed (what a features directory stores, laid out as the batch)."""

@@ -298,7 +298,7 @@ def _capture_shard(
     for index in range(len(plan)):
         placement = place(documents, plan, index)
         batch = collate_placed(documents, placement, pad_token_id)
-        features = module.capture_features({k: v.to(device) for k, v in batch.items()})
+        features = module.features_for({k: v.to(device) for k, v in batch.items()})
         flat = features["target_hidden_states"].flatten(0, 1)[torch.from_numpy(placement.target).to(device)]
         pieces = flat.to(storage).cpu().split(placement.lengths.tolist())
         if request.final_positions != "none":

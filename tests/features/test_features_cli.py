@@ -73,7 +73,12 @@ def test_the_data_module_refuses_features_of_other_data_naming_what_differs(tmp_
         return module
 
     # Another validation split of the same documents is the same capture.
-    assert data(seed=5, val_fraction=0.1).features_manifest is not None
+    resplit = data(seed=5, val_fraction=0.1)
+    assert resplit.features_manifest is not None
+    assert "target_hidden_states" in next(iter(resplit.train_dataloader()))
+    assert "target_hidden_states" in next(iter(resplit.val_dataloader()))
+    # Counting the draft vocabulary's tokens reads no features.
+    assert not any(key.startswith("target_") for key in next(iter(resplit.token_dataloader())))
     with pytest.raises(ValueError, match="captured from other documents for data_files"):
         data(max_documents=DOCUMENTS - 10)
     with pytest.raises(ValueError, match="captured from other documents for data_files"):
