@@ -7,7 +7,7 @@ Layout of ``DIR``:
   template / data digests, and per source (``data_files``, ``val_data_files``) its counts and shards;
 * ``<source>-<index>.safetensors``, each holding a contiguous run of that source's documents (ordered by
   their offset in the tokenised corpus): ``hidden_states`` ``[tokens, k * H]`` (every token's captured
-  layers), ``last_hidden_state`` ``[rows, H]`` with ``last_hidden_positions`` (int32, in-document) where
+  layers; in float8 with ``hidden_scales`` ``[tokens, k]``, see :func:`quantize_rows`), ``last_hidden_state`` ``[rows, H]`` with ``last_hidden_positions`` (int32, in-document) where
   the final-norm state was kept, and the per-document table ``doc_starts`` / ``doc_lengths`` /
   ``doc_final_rows``.
 
@@ -38,6 +38,10 @@ from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.packing import Placement
 
 FORMAT = "lightning-drafts-features"
+# float8 storage keeps one scale per token and captured layer: the largest magnitude maps to the format's
+# largest finite value, so a layer's outliers (massive activations) never overflow.
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = float(torch.finfo(FLOAT8).max)
 VERSION = 1
 MANIFEST = "features.json"
 SOURCES = ("data_files", "val_data_files")
@@ -101,6 +105,20 @@ def shard_bounds(lengths: np.ndarray, tokens_per_shard: int) -> list[tuple[int, 
     if begin < len(lengths):
         bounds.append((begin, len(lengths)))
     return bounds
+
+
+def quantize_rows(rows: Tensor, layers: int) -> tuple[Tensor, Tensor]:
+    """``[n, layers * H]`` -> float8 values of the same shape and float32 scales ``[n, layers]``."""
+    chunks = rows.float().reshape(rows.shape[0], max(layers, 1), -1)
+    scales = chunks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / FLOAT8_MAX
+    values = (chunks / scales[..., None]).to(FLOAT8)
+    return values.reshape(rows.shape), scales
+
+
+def dequantize_rows(values: Tensor, scales: Tensor) -> Tensor:
+    """The inverse of :func:`quantize_rows`, in bfloat16."""
+    chunks = values.float().reshape(values.shape[0], scales.shape[1], -1) * scales[..., None]
+    return chunks.reshape(values.shape).to(torch.bfloat16)
 
 
 def write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
@@ -189,6 +207,7 @@ class SourceFeatures:
         self.layer_ids = tuple(manifest["layer_ids"])
         self.hidden_size = int(manifest["target"]["hidden_size"])
         self.stores_final = manifest["final_positions"] != "none"
+        self.scaled = manifest["dtype"] == str(FLOAT8).removeprefix("torch.")
         self._handles: dict[int, Any] = {}
         tables = []
         for index in range(len(self.paths)):
@@ -229,7 +248,11 @@ class SourceFeatures:
         for j, doc in enumerate(found.tolist()):
             handle = self._handle(int(self.doc_shard[doc]))
             start = int(self.doc_token_offset[doc])
-            pieces.append(handle.get_slice("hidden_states")[start : start + int(self.doc_lengths[doc])])
+            stop = start + int(self.doc_lengths[doc])
+            piece = handle.get_slice("hidden_states")[start:stop]
+            if self.scaled:
+                piece = dequantize_rows(piece, handle.get_slice("hidden_scales")[start:stop])
+            pieces.append(piece)
             if self.stores_final and self.doc_final_rows[doc]:
                 begin = int(self.doc_final_offset[doc])
                 end = begin + int(self.doc_final_rows[doc])

@@ -18,7 +18,9 @@ def capture_main(args: list[str]) -> None:
         "--output", required=True, help="the features directory (resumed if it holds a capture)"
     )
     parser.add_argument(
-        "--dtype", default="bfloat16", help="storage dtype: bfloat16 (default), float16, float32"
+        "--dtype",
+        default="bfloat16",
+        help="storage dtype: bfloat16 (default), float16, float32, float8_e4m3fn",
     )
     parser.add_argument("--rows-per-batch", type=int, default=None, help="documents per target forward")
     parser.add_argument(

@@ -26,11 +26,13 @@ from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.feature_store import (
+    FLOAT8,
     FORMAT,
     MANIFEST,
     VERSION,
     documents_digest,
     final_rows_per_document,
+    quantize_rows,
     read_manifest,
     shard_bounds,
     shard_name,
@@ -44,6 +46,8 @@ from lightning_drafts.training.target import as_dtype
 # About this many bytes of features per shard: large enough that a shard costs one open, small enough
 # that a stopped capture loses little.
 SHARD_BYTES = 1 << 30
+# float8 stores the captured layers with a scale per token and layer (the final state stays bfloat16).
+STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FLOAT8)
 # Fields of the manifest that describe the progress, not what was captured (a resume may differ in them).
 PROGRESS_FIELDS = ("complete", "capture_seconds")
 
@@ -121,7 +125,8 @@ def capture_documents(
         max_tokens, pad_token_id: the rows the documents are packed into for the target's forward.
         data: what the documents were made with (recorded in the manifest, checked by the data module).
         dtype: storage dtype of the features (``"bfloat16"`` halves ``"float32"``; exact parity with
-            the online step needs ``"float32"``).
+            the online step needs ``"float32"``; ``"float8_e4m3fn"`` halves bfloat16 again for the captured
+            layers, with a scale per token and layer, the teacher's final state kept in bfloat16).
         rows_per_batch: documents per forward.
         shard_bytes: about how many bytes of features each shard holds.
         keep_free_bytes: refuse unless this much disk stays free after the capture.
@@ -183,11 +188,15 @@ def capture_documents(
 
 def _storage_dtype(dtype: str) -> torch.dtype:
     resolved = as_dtype(dtype)
-    if resolved not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(
-            f"dtype {dtype!r} cannot store features; use 'bfloat16' (default), 'float16' or 'float32'"
-        )
+    if resolved not in STORAGE_DTYPES:
+        names = [str(d).removeprefix("torch.") for d in STORAGE_DTYPES]
+        raise ValueError(f"dtype {dtype!r} cannot store features; use one of {names} (default 'bfloat16')")
     return resolved
+
+
+def _teacher_dtype(storage: torch.dtype) -> torch.dtype:
+    """float8 is for the captured layers only: the teacher's final state keeps bfloat16."""
+    return torch.bfloat16 if storage == FLOAT8 else storage
 
 
 def _manifest(
@@ -232,10 +241,11 @@ def _manifest(
 def _estimate_bytes(manifest: dict[str, Any], storage: torch.dtype) -> int:
     """tokens x layers x hidden x bytes, plus the final-state rows (and their int32 positions)."""
     hidden, layers = manifest["target"]["hidden_size"], len(manifest["layer_ids"])
+    scales = layers * 4 if storage == FLOAT8 else 0
     total = 0
     for entry in manifest["sources"].values():
-        total += entry["tokens"] * layers * hidden * storage.itemsize
-        total += entry["final_rows"] * (hidden * storage.itemsize + 4)
+        total += entry["tokens"] * (layers * hidden * storage.itemsize + scales)
+        total += entry["final_rows"] * (hidden * _teacher_dtype(storage).itemsize + 4)
     return total
 
 
@@ -293,6 +303,7 @@ def _capture_shard(
         epoch=0,
         shuffle=False,
     )
+    teacher = _teacher_dtype(storage)
     hidden_of: dict[int, Tensor] = {}
     final_of: dict[int, tuple[Tensor, Tensor]] = {}
     for index in range(len(plan)):
@@ -300,7 +311,8 @@ def _capture_shard(
         batch = collate_placed(documents, placement, pad_token_id)
         features = module.features_for({k: v.to(device) for k, v in batch.items()})
         flat = features["target_hidden_states"].flatten(0, 1)[torch.from_numpy(placement.target).to(device)]
-        pieces = flat.to(storage).cpu().split(placement.lengths.tolist())
+        pieces = flat.to(storage).cpu() if storage != FLOAT8 else flat.cpu()
+        pieces = pieces.split(placement.lengths.tolist())
         if request.final_positions != "none":
             states = features["target_last_hidden_state"].flatten(0, 1)
             mask = features["target_last_hidden_mask"].flatten()
@@ -309,13 +321,18 @@ def _capture_shard(
             if request.final_positions != "none":
                 base, length = int(placement.doc_base[j]), int(placement.lengths[j])
                 kept = mask[base : base + length].nonzero().squeeze(1)
-                final_of[doc] = (kept.to(torch.int32).cpu(), states[base + kept].to(storage).cpu())
+                final_of[doc] = (kept.to(torch.int32).cpu(), states[base + kept].to(teacher).cpu())
     order = range(len(documents))
     hidden_size = int(module.target.text_config.hidden_size)
     positions = [final_of[d][0] if d in final_of else torch.zeros(0, dtype=torch.int32) for d in order]
-    finals = [final_of[d][1] if d in final_of else torch.zeros(0, hidden_size, dtype=storage) for d in order]
+    finals = [final_of[d][1] if d in final_of else torch.zeros(0, hidden_size, dtype=teacher) for d in order]
+    hidden = torch.cat([hidden_of[d] for d in order])
+    scaled = {}
+    if storage == FLOAT8:
+        hidden, scaled["hidden_scales"] = quantize_rows(hidden, len(request.layer_ids))
     return {
-        "hidden_states": torch.cat([hidden_of[d] for d in order]),
+        **scaled,
+        "hidden_states": hidden,
         "last_hidden_state": torch.cat(finals),
         "last_hidden_positions": torch.cat(positions),
         "doc_starts": torch.from_numpy(documents.starts.astype(np.int64)),

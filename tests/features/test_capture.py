@@ -92,6 +92,17 @@ def test_the_disk_estimate_is_tokens_times_layers_times_hidden_times_bytes(tmp_p
     assert store.manifest["sources"]["data_files"]["final_rows"] == supervised
 
 
+def test_float8_storage_holds_a_byte_a_feature_plus_a_scale_per_token_and_layer(tmp_path):
+    docs = corpus()
+    capture(eagle3(), tmp_path, docs, dtype="float8_e4m3fn")
+    (tensors,) = shard_tensors(tmp_path).values()
+    assert tensors["hidden_states"].dtype == torch.float8_e4m3fn
+    assert tensors["hidden_scales"].shape == (docs.num_tokens, 3)
+    assert tensors["last_hidden_state"].dtype == torch.bfloat16  # the teacher keeps bfloat16
+    with pytest.raises(ValueError, match=r"dtype 'int8' cannot store features; use one of \['bfloat16'"):
+        capture(eagle3(), tmp_path / "int8", docs, dtype="int8")
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
