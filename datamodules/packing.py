@@ -277,13 +277,8 @@ def collate_placed(documents: Documents, placement: Placement, pad_token_id: int
     """The contract batch of a :class:`Placement`."""
     p = placement
     num_rows, width, target, source, within, lengths = (
-        p.num_rows,
-        p.width,
-        p.target,
-        p.source,
-        p.within,
-        p.lengths,
-    )
+        p.num_rows, p.width, p.target, p.source, p.within, p.lengths
+    )  # fmt: skip
     last_doc = p.first_doc + p.docs_per_row - 1
 
     input_ids = np.full(num_rows * width, pad_token_id, dtype=np.int64)
