@@ -179,8 +179,13 @@ class DraftModule(L.LightningModule):
 
     def _check_features_of(self, datamodule: Any) -> None:
         manifest = getattr(datamodule, "features_manifest", None)
-        if manifest is not None:
+        # Once per directory: the target's digest reads its embedding and LM head.
+        if manifest is None:
+            return
+        key = manifest.get("directory", id(manifest))
+        if getattr(self, "_features_checked", None) != key:
             self.check_features(manifest)
+            self._features_checked = key
 
     def check_data(self, datamodule: Any) -> None:
         """A family's checks of its hyperparameters against the data it is about to train on (the block

@@ -181,9 +181,8 @@ class FrozenTarget(nn.Module):
             for key, value in self.model.config.to_dict().items()
             if not key.startswith("_") and key not in ("dtype", "torch_dtype", "transformers_version")
         }
-        config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[
-            :32
-        ]
+        config_json = json.dumps(config, sort_keys=True, default=str)
+        config_hash = hashlib.sha256(config_json.encode()).hexdigest()[:32]
         weights = state_digest({"embed": self.input_embeddings.weight, "lm_head": self.lm_head.weight})[:32]
         # In the order a mismatch is best explained: the config first, the weights' bytes last.
         return {
