@@ -50,6 +50,9 @@ class DraftModule(L.LightningModule):
             instead of replicating it on every rank (for targets that do not fit one device).
         activation_checkpointing: recompute each draft decoder layer's activations in backward (any
             strategy; not EAGLE-3, whose one layer appends to the TTT cache as it runs).
+        target_decoder: keep the target's decoder layers. ``False`` frees their weights after the target
+            is built (it still loads once): for training from a features directory only, where the target's
+            embedding, final norm and LM head are all a draft reads; a batch without features is refused.
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
@@ -68,6 +71,7 @@ class DraftModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         shard_target: bool = False,
         activation_checkpointing: bool = False,
+        target_decoder: bool = True,
         tokenizer_vocab_size: int | None = None,
         pad_token_id: int | None = None,
     ) -> None:
@@ -85,6 +89,8 @@ class DraftModule(L.LightningModule):
         self.target = FrozenTarget(
             target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed
         )
+        if not target_decoder:
+            self.target.release_decoder()
         if tokenizer_vocab_size is not None and tokenizer_vocab_size > self.target.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tokenizer_vocab_size} tokens but the target's vocabulary has "

@@ -219,9 +219,22 @@ class FrozenTarget(nn.Module):
                     special.setdefault(token, name.removesuffix("_token_id"))
         return special
 
+    def release_decoder(self) -> None:
+        """Free the decoder layers' weights (each becomes an empty tensor of its dtype): a draft trained
+        from captured features never runs them, and only the embedding, final norm and LM head stay, on
+        the device as in memory. A forward afterwards is refused."""
+        for parameter in self.decoder_layers.parameters():
+            parameter.data = parameter.data.new_empty(0)
+        self.decoder_released = True
+
     @torch.no_grad()
     def forward(self, packed: PackedBatch, layer_ids: Sequence[int] = ()) -> TargetOutput:
         """Run the whole micro-batch once; capture the outputs of ``layer_ids`` and the final hidden state."""
+        if getattr(self, "decoder_released", False):
+            raise ValueError(
+                "this batch carries no target features, but the target's decoder was released "
+                "(target_decoder=False); train from a features directory (features_dir) or keep target_decoder"
+            )
         self._check_layer_ids(layer_ids)
         backend = self._select_backend(packed.input_ids.device)
         captured: dict[int, Tensor] = {}

@@ -1,5 +1,5 @@
 """The command line: ``capture`` a quickstart config's features, then ``fit`` the same config from them
-(``--data.init_args.features_dir``) without the target's decoder running; the data module refuses a
+(``--data.init_args.features_dir``) without the target's decoder running or even held in memory; the data module refuses a
 features directory made from other data, naming what differs."""
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def test_capture_then_fit_from_the_features(config, tmp_path):
             *short_fit(config, tmp_path),
             f"--data.init_args.max_documents={DOCUMENTS}",
             f"--data.init_args.features_dir={features}",
+            # Not even the decoder's weights are needed: only the embedding, final norm and LM head stay.
+            "--model.init_args.target_decoder=false",
             "--trainer.callbacks+=tests.features.feature_cases.RefuseTargetForward",
         ]
     )
     assert cli.trainer.global_step == 4
+    assert sum(p.numel() for p in cli.model.target.decoder_layers.parameters()) == 0
     assert cli.datamodule.features_manifest["directory"] == str(features)
 
 

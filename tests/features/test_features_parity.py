@@ -125,3 +125,24 @@ def test_changing_one_documents_features_leaves_the_other_documents_unchanged(
             same.assert_close(grads[name], grad, name)
     # The check can fail: the document's own features matter.
     assert not torch.allclose(run(module, perturbed(spans[keep]), inputs)[0].loss, reference.loss)
+
+
+@pytest.mark.parametrize(("case", "kind", "options"), SHIPPED[:-1], ids=IDS[:-1])
+def test_a_draft_without_the_targets_decoder_trains_from_features_as_the_full_one_online(
+    case: FamilyCase, kind, options, tmp_path
+):
+    module = case.build(TINY_TARGETS[kind])
+    docs = corpus()
+    batch = first_batch(docs, "microbatch", capture(module, tmp_path, docs))
+    released = case.build(TINY_TARGETS[kind], target_decoder=False)
+    assert sum(p.numel() for p in released.target.decoder_layers.parameters()) == 0
+    assert all(
+        torch.equal(value, released.draft_state_dict()[key])
+        for key, value in module.draft_state_dict().items()
+    )
+    inputs = case.loss_inputs(module, without_features(batch), 0)
+    compare(case, run(module, without_features(batch), inputs), run(released, batch, inputs))
+    with pytest.raises(
+        ValueError, match=r"carries no target features, but the target's decoder was released"
+    ):
+        released.compute_loss(without_features(batch), **inputs)
