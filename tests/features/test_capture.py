@@ -5,6 +5,10 @@ not match the module is refused naming the field; another draft vocabulary needs
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from safetensors.torch import load_file
 from lightning_drafts import DFlashModule, Eagle3Module
 from lightning_drafts.datamodules.feature_store import MANIFEST, FeatureStore
 from tests.builders import TINY_TARGETS
-from tests.distributed.test_distributed import run_script
+from tests.families.family_case import ROOT
 from tests.families.test_conformance import run
 from tests.features.feature_cases import capture, corpus, first_batch, without_features
 
@@ -165,12 +169,35 @@ def test_an_incomplete_or_foreign_directory_is_refused_by_the_store(tmp_path):
         FeatureStore(tmp_path)
 
 
-def test_a_two_process_capture_equals_the_single_process_capture(tmp_path):
-    capture(eagle3(), tmp_path / "one", corpus(), shard_bytes=SMALL_SHARDS)
-    run_script("capture_distributed.py", str(tmp_path / "two"), "2")
+def test_a_two_process_torchrun_capture_equals_the_single_process_capture(tmp_path):
+    """`torchrun --nproc_per_node 2 -m lightning_drafts capture ...` (gloo on CPU): each rank writes its
+    own half of the shards, and together they are byte for byte the one-process capture's."""
+    config = ROOT / "configs" / "quickstart" / "dflash.yaml"
+    options = [
+        "capture",
+        f"--config={config}",
+        "--shard-bytes=200000",
+        "--data.init_args.max_documents=60",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+        "--data.init_args.setup_summary=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+    ]
+    runs = {}
+    for name, launcher in (("one", [sys.executable, "-m"]), ("two", torchrun)):
+        command = [*launcher, "lightning_drafts", *options, f"--output={tmp_path / name}"]
+        runs[name] = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     one, two = shard_tensors(tmp_path / "one"), shard_tensors(tmp_path / "two")
-    assert one.keys() == two.keys() and len(one) >= 3
+    assert one.keys() == two.keys() and len(one) >= 4
     for name, tensors in one.items():
         for key, value in tensors.items():
             assert torch.equal(two[name][key], value), f"{name}: {key}"
+    half = len(one) // 2
+    assert runs["two"].stdout.count(f"captured {half} shard(s)") == 2, runs["two"].stdout
     assert FeatureStore(tmp_path / "two").manifest["complete"]
