@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 from collections import Counter
@@ -25,6 +26,7 @@ from lightning_drafts.datamodules.embedded import (
     embedded_corpus_fingerprint,
     load_embedded_tokenizer,
 )
+from lightning_drafts.datamodules.feature_store import FeatureStore, SourceFeatures, union_by_start
 from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, PlanOrder, ResumableLoader
 from lightning_drafts.datamodules.packing import resolve_packing
 from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
@@ -35,6 +37,7 @@ from lightning_drafts.datamodules.tokenize import (
     TokenizedCorpus,
     default_cache_dir,
     tokenize_rows,
+    tokenizer_fingerprint,
 )
 from lightning_drafts.shipped import resolve_shipped
 
@@ -71,6 +74,11 @@ class PackedChatDataModule(LightningDataModule):
             and skipping malformed rows.
         setup_summary: print the setup summary (counts per split, one sample with its supervised tokens
             marked) once, on rank 0; warnings about the data print either way.
+        features_dir: a directory written by ``lightning-drafts capture`` for these documents: every
+            micro-batch then also carries its documents' captured target features (packed exactly as the
+            tokens, in any packing mode), and the draft trains without running the target's decoder. The
+            directory must have been captured with this tokenizer, chat template and documents (checked at
+            setup, naming what differs); the draft checks the target and layers at fit start.
 
     After construction, ``vocab_size`` (``len(tokenizer)``) and ``pad_token_id`` are set, so
     ``LightningCLI.link_arguments`` can pass them to a model. After ``setup``, ``stats`` holds the counts
@@ -98,6 +106,7 @@ class PackedChatDataModule(LightningDataModule):
         rank: int | None = None,
         strict: bool = False,
         setup_summary: bool = True,
+        features_dir: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -139,6 +148,10 @@ class PackedChatDataModule(LightningDataModule):
         self.rank = rank
         self.strict = bool(strict)
         self.setup_summary = bool(setup_summary)
+        self.features_dir = features_dir
+        # The manifest of features_dir once set up (the draft checks it against itself at fit start).
+        self.features_manifest: dict[str, Any] | None = None
+        self._features: FeatureStore | None = None
         # Where the first malformed rows of each reason were found, named ("file:line: problem"), for
         # the setup summary.
         self.first_malformed: dict[str, list[str]] = {}
@@ -192,8 +205,37 @@ class PackedChatDataModule(LightningDataModule):
                 f"no trainable document in {self.data_files or 'the embedded corpus'} (counts: {self.stats['train']}); "
                 "check the data format, the chat template and long_documents"
             )
+        if self.features_dir is not None:
+            store = FeatureStore(self.features_dir)
+            store.check_data(self.features_identity(), self.feature_sources())
+            self._features, self.features_manifest = store, store.manifest
         if self._is_global_zero():
             self._log_summary()
+
+    def features_identity(self) -> dict[str, str]:
+        """What a features directory must have been captured with, besides the documents themselves."""
+        return {
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "chat_template": hashlib.sha256(self.chat_template.encode()).hexdigest()[:32],
+        }
+
+    def feature_sources(self) -> dict[str, Documents | None]:
+        """The documents of each data source, as a capture stores them: one tokenised corpus each, its
+        splits merged back (so the validation split's seed and fraction never invalidate a capture)."""
+        self.setup("fit")
+        separate_val = self.val_data_files is not None
+        return {
+            "data_files": union_by_start(
+                [self.train_documents, None if separate_val else self.val_documents]
+            ),
+            "val_data_files": self.val_documents if separate_val else None,
+        }
+
+    def _split_features(self, split: str) -> SourceFeatures | None:
+        if self._features is None:
+            return None
+        separate_val = split == "val" and self.val_data_files is not None
+        return self._features.source("val_data_files" if separate_val else "data_files")
 
     def reserved_id_problem(self, token_id: int) -> str | None:
         """Why ``token_id`` cannot be a reserved id (a block draft's mask token): it is one of the
@@ -351,9 +393,21 @@ class PackedChatDataModule(LightningDataModule):
     # ------------------------------------------------------------------ loaders
 
     def train_dataloader(self) -> ResumableLoader:
+        return self._train_loader(features=True)
+
+    def token_dataloader(self) -> ResumableLoader:
+        """The train loader without target features: what a pass over the tokens alone reads (counting
+        the supervised tokens of a draft vocabulary), which then costs no feature read."""
+        return self._train_loader(features=False)
+
+    def _train_loader(self, features: bool) -> ResumableLoader:
         self.setup("fit")
         world_size, rank = self._world()
-        dataset = self._dataset(self.train_documents, shuffle=True, world_size=world_size, rank=rank)
+        dataset = self._dataset(
+            self.train_documents, shuffle=True, world_size=world_size, rank=rank, split="train"
+        )
+        if not features:
+            dataset.features = None
         return ResumableLoader(dataset, self._loader_state, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -361,11 +415,13 @@ class PackedChatDataModule(LightningDataModule):
         if self.val_documents is None or len(self.val_documents) == 0:
             return []
         world_size, rank = self._world()
-        dataset = self._dataset(self.val_documents, shuffle=False, world_size=world_size, rank=rank)
+        dataset = self._dataset(
+            self.val_documents, shuffle=False, world_size=world_size, rank=rank, split="val"
+        )
         return DataLoader(dataset, batch_size=None, sampler=PlanOrder(dataset), num_workers=self.num_workers)
 
     def _dataset(
-        self, documents: Documents, *, shuffle: bool, world_size: int, rank: int
+        self, documents: Documents, *, shuffle: bool, world_size: int, rank: int, split: str
     ) -> PackedEpochDataset:
         return PackedEpochDataset(
             documents,
@@ -378,6 +434,7 @@ class PackedChatDataModule(LightningDataModule):
             shuffle_buffer=self.shuffle_buffer,
             world_size=world_size,
             rank=rank,
+            features=self._split_features(split),
         )
 
     def _world(self) -> tuple[int, int]:

@@ -28,12 +28,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_drafts.datamodules.documents import Documents
-from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
+from lightning_drafts.datamodules.feature_store import SourceFeatures
+from lightning_drafts.datamodules.packing import MicroBatchPlan, collate_placed, place, plan_epoch
 
 
 class PackedEpochDataset(Dataset):
     """Micro-batches of one epoch for one rank; set ``epoch`` (and ``skip``, read by :class:`PlanOrder`)
-    before iterating."""
+    before iterating. With ``features``, each micro-batch also carries its documents' captured target
+    features, laid out as its tokens are."""
 
     def __init__(
         self,
@@ -48,8 +50,10 @@ class PackedEpochDataset(Dataset):
         shuffle_buffer: int,
         world_size: int,
         rank: int,
+        features: SourceFeatures | None = None,
     ) -> None:
         self.documents = documents
+        self.features = features
         self.pad_token_id = pad_token_id
         self.plan_kwargs = dict(
             mode=mode,
@@ -80,7 +84,11 @@ class PackedEpochDataset(Dataset):
         return len(self.plan(self.epoch))
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return collate(self.documents, self.plan(self.epoch), index, self.pad_token_id)
+        placement = place(self.documents, self.plan(self.epoch), index)
+        batch = collate_placed(self.documents, placement, self.pad_token_id)
+        if self.features is not None:
+            batch.update(self.features.gather(self.documents, placement))
+        return batch
 
 
 class PlanOrder(DistributedSampler):

@@ -211,8 +211,31 @@ def plan_epoch(
     return MicroBatchPlan.from_batches(batches, widths)
 
 
-def collate(documents: Documents, plan: MicroBatchPlan, index: int, pad_token_id: int) -> dict[str, Tensor]:
-    """Micro-batch ``index`` of ``plan`` as a contract batch of long tensors ``[R, W]`` (``seq_lens`` ``[R, D]``)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where micro-batch ``index`` of a plan puts its documents' tokens, as flat ``[R * W]`` indices.
+
+    ``docs`` are the documents in row order; ``target`` holds the flat slot of each of their tokens,
+    document after document (so a per-document array concatenated in ``docs`` order lands with
+    ``out[target] = values``); ``doc_base[j]`` is the flat slot of document ``j``'s first token.
+    """
+
+    docs: np.ndarray
+    lengths: np.ndarray
+    source: np.ndarray
+    target: np.ndarray
+    doc_base: np.ndarray
+    within: np.ndarray
+    row_of_doc: np.ndarray
+    column: np.ndarray
+    docs_per_row: np.ndarray
+    first_doc: np.ndarray
+    num_rows: int
+    width: int
+
+
+def place(documents: Documents, plan: MicroBatchPlan, index: int) -> Placement:
+    """The token placement of micro-batch ``index`` of ``plan``."""
     r0, r1 = int(plan.batch_bounds[index]), int(plan.batch_bounds[index + 1])
     d0 = int(plan.row_bounds[r0])
     docs = plan.docs[d0 : plan.row_bounds[r1]]
@@ -220,7 +243,6 @@ def collate(documents: Documents, plan: MicroBatchPlan, index: int, pad_token_id
     docs_per_row = np.diff(plan.row_bounds[r0 : r1 + 1])
     row_of_doc = np.repeat(np.arange(num_rows), docs_per_row)
     first_doc = plan.row_bounds[r0:r1] - d0
-    last_doc = first_doc + docs_per_row - 1
 
     lengths = documents.lengths[docs]
     ends = np.cumsum(lengths)
@@ -228,7 +250,36 @@ def collate(documents: Documents, plan: MicroBatchPlan, index: int, pad_token_id
     column = begins - begins[first_doc][row_of_doc]
     within = np.arange(int(ends[-1])) - np.repeat(begins, lengths)
     source = np.repeat(documents.starts[docs], lengths) + within
-    target = np.repeat(row_of_doc * width + column, lengths) + within
+    doc_base = row_of_doc * width + column
+    target = np.repeat(doc_base, lengths) + within
+    return Placement(
+        docs=docs,
+        lengths=lengths,
+        source=source,
+        target=target,
+        doc_base=doc_base,
+        within=within,
+        row_of_doc=row_of_doc,
+        column=column,
+        docs_per_row=docs_per_row,
+        first_doc=first_doc,
+        num_rows=num_rows,
+        width=width,
+    )
+
+
+def collate(documents: Documents, plan: MicroBatchPlan, index: int, pad_token_id: int) -> dict[str, Tensor]:
+    """Micro-batch ``index`` of ``plan`` as a contract batch of long tensors ``[R, W]`` (``seq_lens`` ``[R, D]``)."""
+    return collate_placed(documents, place(documents, plan, index), pad_token_id)
+
+
+def collate_placed(documents: Documents, placement: Placement, pad_token_id: int) -> dict[str, Tensor]:
+    """The contract batch of a :class:`Placement`."""
+    p = placement
+    num_rows, width, target, source, within, lengths = (
+        p.num_rows, p.width, p.target, p.source, p.within, p.lengths
+    )  # fmt: skip
+    last_doc = p.first_doc + p.docs_per_row - 1
 
     input_ids = np.full(num_rows * width, pad_token_id, dtype=np.int64)
     input_ids[target] = documents.input_ids[source]
@@ -237,15 +288,15 @@ def collate(documents: Documents, plan: MicroBatchPlan, index: int, pad_token_id
     attention_mask = np.zeros(num_rows * width, dtype=np.int64)
     attention_mask[target] = 1
     # Pad slots continue the row's last document's position counter (the contract folds them into it).
-    position_ids = (np.arange(width)[None, :] - column[last_doc][:, None]).ravel()
+    position_ids = (np.arange(width)[None, :] - p.column[last_doc][:, None]).ravel()
     position_ids[target] = within
     doc_remaining = np.zeros(num_rows * width, dtype=np.int64)
     doc_remaining[target] = np.repeat(lengths - 1, lengths) - within
 
-    seq_lens = np.zeros((num_rows, int(docs_per_row.max())), dtype=np.int64)
-    seq_lens[row_of_doc, np.arange(len(docs)) - first_doc[row_of_doc]] = lengths
-    used = np.bincount(row_of_doc, weights=lengths, minlength=num_rows).astype(np.int64)
-    seq_lens[np.arange(num_rows), docs_per_row - 1] += width - used
+    seq_lens = np.zeros((num_rows, int(p.docs_per_row.max())), dtype=np.int64)
+    seq_lens[p.row_of_doc, np.arange(len(p.docs)) - p.first_doc[p.row_of_doc]] = lengths
+    used = np.bincount(p.row_of_doc, weights=lengths, minlength=num_rows).astype(np.int64)
+    seq_lens[np.arange(num_rows), p.docs_per_row - 1] += width - used
 
     shape = (num_rows, width)
     return {

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,22 @@ def _point_checkpoint_callbacks_at(ckpt_path: str, callbacks: list[Any]) -> None
             dirpath = (saved.get(callback.state_key) or {}).get("dirpath")
             if dirpath is not None:
                 callback.dirpath = dirpath
+
+
+def build_from_config(args: list[str]) -> tuple[DraftModule, Any]:
+    """The model and data module a ``fit`` config (plus overrides) names, built as ``fit`` builds them
+    (the tokenizer's vocabulary and pad id linked into the model), without a trainer run."""
+    refuse_moved_class_paths(args)
+    with warnings.catch_warnings():
+        # The command line holds the calling subcommand's own options too; `args` is what the config reads.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        cli = DraftCLI(
+            DraftModule,
+            PackedChatDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            run=False,
+            save_config_callback=None,
+        )
+    return cli.model, cli.datamodule

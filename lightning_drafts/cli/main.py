@@ -9,6 +9,7 @@ from typing import Any
 SUBCOMMANDS = {
     "fit": "train a draft from a YAML config (LightningCLI; `fit --help` lists every option)",
     "validate": "validation metrics of a config's model, e.g. of a checkpoint (--ckpt_path)",
+    "capture": "run a fit config's frozen target once over its data and store its draft's features",
     "export": "write a trained checkpoint in the layout vLLM / SGLang load, validated against its target",
     "evaluate": "serve an export with real greedy speculative decoding: served vs training acceptance",
     "regenerate": "rewrite a config's answers with its own target (train on what the target writes)",
@@ -28,7 +29,11 @@ def main(args: list[str] | None = None) -> None:
     if command in (None, "-h", "--help"):
         print(USAGE)
         return
-    if command == "export":
+    if command == "capture":
+        from lightning_drafts.cli.capture import capture_main
+
+        capture_main(given[1:])
+    elif command == "export":
         from lightning_drafts.cli.export import export_main
 
         export_main(given[1:])

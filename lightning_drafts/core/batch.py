@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_drafts.core.target_features import TargetFeatures, read_target_features
+
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "doc_remaining")
 INTEGER_KEYS = ("input_ids", "position_ids", "seq_lens", "doc_remaining")
 FLAG_KEYS = ("attention_mask", "loss_mask")
@@ -33,6 +35,7 @@ class PackedBatch:
     doc_remaining: Tensor
     doc_ids: Tensor
     doc_start: Tensor
+    target_features: TargetFeatures | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,8 +46,11 @@ class PackedBatch:
         return int(self.attention_mask.sum())
 
     def to_dict(self) -> dict[str, Tensor]:
-        """The contract keys, e.g. to feed a batch through another module's validation."""
-        return {key: getattr(self, key) for key in (*TOKEN_KEYS, "seq_lens")}
+        """The contract keys (and target features), e.g. to feed a batch through another module's validation."""
+        out = {key: getattr(self, key) for key in (*TOKEN_KEYS, "seq_lens")}
+        if self.target_features is not None:
+            out.update(self.target_features.to_dict())
+        return out
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ def validate_batch(batch: Mapping[str, Tensor], vocab_size: int | None = None) -
         doc_remaining=remaining,
         doc_ids=doc_ids,
         doc_start=doc_start,
+        target_features=read_target_features(batch, shape),
     )
 
 

@@ -42,6 +42,7 @@ from lightning_drafts.core.checks import check_int
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import ratio
+from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.export import export_draft
 from lightning_drafts.dflash.objectives import BlockObjective
@@ -213,7 +214,7 @@ class DFlashModule(DraftModule):
         return check_prefix_lengths(prefix_lengths, anchors, self.block_size)[layout.rows, layout.slots]
 
     def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, known: Tensor) -> Tensor:
-        captured = self.target(packed, self.target_layer_ids).hidden_states
+        captured = self.target_output(packed, self.target_layer_ids).hidden_states
         features = layout.gather_context(torch.cat(captured, dim=-1))
         tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id, known)
         backend = self._draft_backend(packed.input_ids.device)
@@ -225,6 +226,10 @@ class DFlashModule(DraftModule):
             layout.block_position_ids(packed.position_ids),
             mask,
         )
+
+    def feature_request(self) -> FeatureRequest:
+        """The fused layers at every token; no teacher (block targets are the data's tokens)."""
+        return FeatureRequest(tuple(self.target_layer_ids), "none")
 
     def _draft_backend(self, device: torch.device) -> str:
         return resolve_block_backend(self.draft_attn_backend, device)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.dspark.rules import EMBEDDING_FEATURE, TARGET_LAYER_IDS
-from lightning_drafts.training.target import FrozenTarget
+from lightning_drafts.training.target import FrozenTarget, TargetOutput
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -46,17 +46,23 @@ def check_target_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> 
     return ids
 
 
+def hooked_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> tuple[int, ...]:
+    """The decoder layers whose outputs the feature ids ``layer_ids`` read (the embedding ``-1`` and the
+    final-norm ``L - 1`` come from the embedding table and the final state instead)."""
+    return tuple(i for i in layer_ids if 0 <= i < num_target_layers - 1)
+
+
 @torch.no_grad()
-def capture_context_features(
-    target: FrozenTarget, packed: PackedBatch, layer_ids: Sequence[int]
-) -> tuple[Tensor, Tensor]:
-    """One frozen forward: the concatenated features ``[B, T, F * H]`` and the final-norm states ``[B, T, H]``."""
+def context_features(
+    output: TargetOutput, target: FrozenTarget, packed: PackedBatch, layer_ids: Sequence[int]
+) -> Tensor:
+    """The concatenated features ``[B, T, F * H]`` from the target's ``output`` over
+    :func:`hooked_layer_ids` (live or captured), the final state and the embedding table."""
     last = target.num_layers - 1
-    hooked = [i for i in layer_ids if 0 <= i < last]
-    output = target(packed, hooked)
+    hooked = hooked_layer_ids(layer_ids, target.num_layers)
     by_id = dict(zip(hooked, output.hidden_states, strict=True))
-    by_id[last] = output.last_hidden_state
+    if last in layer_ids:
+        by_id[last] = output.final_states((slice(None), slice(None)), needed=packed.attention_mask)
     if EMBEDDING_FEATURE in layer_ids:
         by_id[EMBEDDING_FEATURE] = target.input_embeddings(packed.input_ids)
-    features = torch.cat([by_id[i] for i in layer_ids], dim=-1)
-    return features, output.last_hidden_state
+    return torch.cat([by_id[i] for i in layer_ids], dim=-1)

@@ -32,10 +32,12 @@ from lightning_drafts.core.checks import check_int, is_number
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import Sums, ratio
+from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.dspark.context_features import (
-    capture_context_features,
     check_target_layer_ids,
+    context_features,
     default_target_layer_ids,
+    hooked_layer_ids,
 )
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.eval_mask import BlockSupervision, block_supervision
@@ -206,11 +208,21 @@ class DSparkModule(DraftModule):
         layout = block_layout(packed, anchors, self.block_size)
         if layout.num_blocks == 0:
             return self._empty_output(packed.input_ids.device)
-        features, final_hidden = capture_context_features(self.target, packed, self.target_layer_ids)
+        output = self.target_output(packed, hooked_layer_ids(self.target_layer_ids, self.target.num_layers))
+        features = context_features(output, self.target, packed, self.target_layer_ids)
         hidden = self._draft_hidden(packed, layout, features)
         supervision = block_supervision(packed, layout)
-        teacher_hidden = final_hidden[layout.rows[:, None], supervision.teacher_positions]
+        teacher_hidden = output.final_states(
+            (layout.rows[:, None], supervision.teacher_positions), needed=supervision.valid
+        )
         return self._objective(hidden, supervision, teacher_hidden)
+
+    def feature_request(self) -> FeatureRequest:
+        """The decoder layers among the feature ids at every token; the final-norm state where a slot's
+        teacher reads it (before each supervised token), or everywhere when it is a feature itself."""
+        last = self.target.num_layers - 1
+        final = "all" if last in self.target_layer_ids else "next_supervised"
+        return FeatureRequest(hooked_layer_ids(self.target_layer_ids, self.target.num_layers), final)
 
     def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, features: Tensor) -> Tensor:
         tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id)

@@ -127,7 +127,7 @@ class DSparkSpeculator:
 
     def context_features(self, prefix: VerifiedPrefix) -> Tensor:
         """``[L - 1, F * H]``: the features ``feature_ids`` of the verified tokens before the anchor,
-        concatenated in the trained order (what training's ``capture_context_features`` gives there)."""
+        concatenated in the trained order (what training's ``context_features`` gives there)."""
         before_anchor = prefix.tokens[:-1]
         by_id = dict(zip(self.target_layer_ids, prefix.hidden_states, strict=True))
         by_id[self.final_norm_feature] = prefix.last_hidden_state

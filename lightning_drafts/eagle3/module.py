@@ -24,6 +24,7 @@ from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.checks import check_int, is_number
 from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.export import export_eagle3
 from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
@@ -190,7 +191,9 @@ class Eagle3Base(DraftModule):
                 f"({self.target.vocab_size}) needs token frequencies: pass token_frequencies=..., call "
                 "build_vocab_mapping(counts) before fit, or fit with a datamodule"
             )
-        counts = count_supervised_tokens(datamodule.train_dataloader(), self.target.vocab_size)
+        # Tokens only: a data module training from captured features need not read them to count.
+        loader = getattr(datamodule, "token_dataloader", datamodule.train_dataloader)()
+        counts = count_supervised_tokens(loader, self.target.vocab_size)
         strategy = self.trainer.strategy
         # Ranks may read different shards; a sum keeps the ranking exact either way.
         counts = strategy.reduce(counts.to(strategy.root_device), reduce_op="sum").cpu()
@@ -253,14 +256,15 @@ class Eagle3Base(DraftModule):
 
     @torch.no_grad()
     def teacher_signal(self, packed: PackedBatch) -> TeacherSignal:
-        """One frozen target forward: captured layers; teacher logits and in-vocabulary bits at the
-        loss-mask positions only (restricted to the draft vocabulary before the matmul)."""
-        output = self.target(packed, self.target_layer_ids)
+        """One frozen target forward (or the batch's captured features): captured layers; teacher logits
+        and in-vocabulary bits at the loss-mask positions only (restricted to the draft vocabulary before
+        the matmul, from the final hidden state there, so any draft vocabulary trains from one capture)."""
+        output = self.target_output(packed, self.target_layer_ids)
         aux = torch.cat(output.hidden_states, dim=-1)
         supervised = packed.loss_mask
         row = torch.cumsum(supervised.reshape(-1), 0).reshape(supervised.shape) - 1
         row = row.masked_fill(~supervised, -1)
-        last = output.last_hidden_state[supervised]
+        last = output.final_states(supervised)
         in_vocab = torch.zeros_like(supervised)
         if not self.compresses_vocab:
             in_vocab[supervised] = True
@@ -268,6 +272,10 @@ class Eagle3Base(DraftModule):
         logits = self.target.logits(last, self.draft.selected_token_ids)
         in_vocab[supervised] = self.draft.t2d[self.target.greedy_tokens(last)]
         return TeacherSignal(aux, logits, row, in_vocab)
+
+    def feature_request(self) -> FeatureRequest:
+        """The captured layers at every token; the final hidden state at supervised tokens (the teacher)."""
+        return FeatureRequest(tuple(self.target_layer_ids), "supervised")
 
     def draft_attention_mask(self, packed: PackedBatch) -> Any:
         """Block 1's document-causal mask, built once per batch and shared by every TTT step: a flex

@@ -7,7 +7,7 @@ builds the optimiser, and keeps the target out of checkpoints. A family subclass
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.core.schedule import warmup_cosine
-from lightning_drafts.training.target import FrozenTarget, TargetSpec, as_dtype
+from lightning_drafts.core.target_features import FeatureRequest, final_position_mask
+from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
 
 TARGET_PREFIX = "target."
 # The digest of a checkpoint's draft tensors, checked on every load (resume, validate, export).
@@ -45,6 +46,9 @@ class DraftModule(L.LightningModule):
             instead of replicating it on every rank (for targets that do not fit one device).
         activation_checkpointing: recompute each draft decoder layer's activations in backward (any
             strategy; not EAGLE-3, whose one layer appends to the TTT cache as it runs).
+        target_decoder: keep the target's decoder layers. ``False`` frees their weights after the target
+            is built (it still loads once): for training from a features directory only, where the target's
+            embedding, final norm and LM head are all a draft reads; a batch without features is refused.
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
@@ -63,6 +67,7 @@ class DraftModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         shard_target: bool = False,
         activation_checkpointing: bool = False,
+        target_decoder: bool = True,
         tokenizer_vocab_size: int | None = None,
         pad_token_id: int | None = None,
     ) -> None:
@@ -80,6 +85,8 @@ class DraftModule(L.LightningModule):
         self.target = FrozenTarget(
             target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed
         )
+        if not target_decoder:
+            self.target.release_decoder()
         if tokenizer_vocab_size is not None and tokenizer_vocab_size > self.target.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tokenizer_vocab_size} tokens but the target's vocabulary has "
@@ -102,13 +109,86 @@ class DraftModule(L.LightningModule):
             return batch
         return validate_batch(batch, vocab_size=self.target.vocab_size)
 
+    # --- the target's signal: live, or captured -----------------------------------------------
+
+    def feature_request(self) -> FeatureRequest:
+        """The target features this draft reads (implemented by each family that trains from captures)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not declare the target features it reads (feature_request), so it "
+            "cannot be captured for or trained from a features directory"
+        )
+
+    def target_output(self, packed: PackedBatch, layer_ids: Sequence[int]) -> TargetOutput:
+        """The target's outputs of ``layer_ids`` and its final-norm states for ``packed``: from the
+        batch's captured features when it has them (no target forward), else one live forward."""
+        if packed.target_features is None:
+            return self.target(packed, layer_ids)
+        return TargetOutput.from_features(packed.target_features, layer_ids, self.target.compute_dtype)
+
+    @torch.no_grad()
+    def features_for(self, batch: Mapping[str, Tensor] | PackedBatch) -> dict[str, Tensor]:
+        """The feature keys of :mod:`lightning_drafts.core.target_features` for ``batch``'s rows, from one
+        live forward: what :meth:`feature_request` names, zero on padding and where the final state is not
+        needed (what a features directory stores, laid out as the batch)."""
+        packed = self.prepare_batch(batch)
+        request = self.feature_request()
+        output = self.target(packed, request.layer_ids)
+        real = packed.attention_mask[..., None]
+        batch_size, width = packed.shape
+        if output.hidden_states:
+            hidden = torch.cat(output.hidden_states, dim=-1) * real
+        else:
+            hidden = output.last_hidden_state.new_zeros(batch_size, width, 0)
+        features = {
+            "target_layer_ids": torch.tensor(request.layer_ids, dtype=torch.long),
+            "target_hidden_states": hidden,
+        }
+        if request.final_positions != "none":
+            mask = final_position_mask(
+                packed.loss_mask, packed.attention_mask, packed.doc_remaining, request.final_positions
+            )
+            features["target_last_hidden_state"] = output.last_hidden_state * mask[..., None]
+            features["target_last_hidden_mask"] = mask
+        return features
+
+    def check_features(self, manifest: Mapping[str, Any]) -> None:
+        """Refuse a features directory (its ``manifest``) that was not captured for this draft, naming the
+        first field that differs: the target, its dtype or sizes, the layers, the final-state positions."""
+        recorded = manifest.get("target", {})
+        where = manifest.get("directory", "the features directory")
+        for field, value in self.target.identity().items():
+            if recorded.get(field) != value:
+                raise ValueError(
+                    f"{where} was captured from another target: target.{field} is {recorded.get(field)!r} there "
+                    f"but {value!r} here; capture again for this target (or train with the target it names: "
+                    f"{recorded.get('spec')!r})"
+                )
+        problem = self.feature_request().served_by(
+            tuple(manifest.get("layer_ids", ())), manifest.get("final_positions", "none")
+        )
+        if problem is not None:
+            raise ValueError(
+                f"{where} does not hold what this draft reads: {problem}; capture again with this config"
+            )
+
     # --- Lightning hooks -----------------------------------------------------------------------
 
     def on_fit_start(self) -> None:
         self._check_target_dtype()
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
+            self._check_features_of(datamodule)
             self.check_data(datamodule)
+
+    def _check_features_of(self, datamodule: Any) -> None:
+        manifest = getattr(datamodule, "features_manifest", None)
+        # Once per directory: the target's digest reads its embedding and LM head.
+        if manifest is None:
+            return
+        key = manifest.get("directory", id(manifest))
+        if getattr(self, "_features_checked", None) != key:
+            self.check_features(manifest)
+            self._features_checked = key
 
     def check_data(self, datamodule: Any) -> None:
         """A family's checks of its hyperparameters against the data it is about to train on (the block
@@ -116,6 +196,9 @@ class DraftModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._check_target_dtype()
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            self._check_features_of(datamodule)
 
     def _check_target_dtype(self) -> None:
         """A ``*-true`` precision casts the whole module, the frozen target included, after it was built:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from lightning_drafts.attention.backends import (
 )
 from lightning_drafts.core.batch import PackedBatch, varlen_layout
 from lightning_drafts.core.checks import is_int
+from lightning_drafts.core.digest import state_digest
+from lightning_drafts.core.target_features import TargetFeatures
 from lightning_drafts.shipped import resolve_shipped
 
 TargetSpec = str | dict | PreTrainedModel
@@ -33,11 +37,55 @@ class TargetOutput:
     """What one frozen forward gives a draft.
 
     ``hidden_states[i]`` is the output of decoder layer ``layer_ids[i]`` (HF ``hidden_states[l + 1]``),
-    ``[B, T, H]`` each; ``last_hidden_state`` is the final-norm output the LM head reads.
+    ``[B, T, H]`` each; ``last_hidden_state`` is the final-norm output the LM head reads. From captured
+    features it holds the final-norm output only where ``last_hidden_mask`` is set (``None``: everywhere);
+    read it through :meth:`final_states`, which refuses a position the capture did not store.
     """
 
     hidden_states: tuple[Tensor, ...]
     last_hidden_state: Tensor
+    last_hidden_mask: Tensor | None = None
+
+    def final_states(self, index: Any, needed: Tensor | None = None) -> Tensor:
+        """``last_hidden_state[index]``; every position it selects (or those of them ``needed`` flags)
+        must hold the target's value."""
+        states = self.last_hidden_state[index]
+        if self.last_hidden_mask is not None:
+            stored = self.last_hidden_mask[index]
+            missing = ~stored if needed is None else needed.bool() & ~stored
+            if missing.any():
+                raise ValueError(
+                    f"the target features hold the final hidden state at fewer positions than this draft reads "
+                    f"({int(missing.sum())} missing); capture again with this draft's config (its "
+                    "final_positions)"
+                )
+        return states
+
+    @classmethod
+    def from_features(
+        cls, features: TargetFeatures, layer_ids: Sequence[int], dtype: torch.dtype
+    ) -> TargetOutput:
+        """The output a live forward would give, from a batch's captured ``features`` (cast to ``dtype``,
+        the target's compute dtype); ``layer_ids`` must be among the captured layers."""
+        missing = [i for i in layer_ids if i not in features.layer_ids]
+        if missing:
+            raise ValueError(
+                f"the batch's target features hold layers {list(features.layer_ids)}, not {missing} that this "
+                "draft reads; capture with this draft's target_layer_ids"
+            )
+        captured = features.hidden_states
+        width = captured.shape[-1] // max(len(features.layer_ids), 1)
+        chunks = dict(zip(features.layer_ids, captured.split(width, dim=-1), strict=True)) if width else {}
+        hidden = tuple(chunks[i].to(dtype) for i in layer_ids)
+        if features.last_hidden_state is None:
+            mask = torch.zeros(captured.shape[:2], dtype=torch.bool, device=captured.device)
+            last = captured.new_zeros(*captured.shape[:2], 0, dtype=dtype)
+            return cls(hidden_states=hidden, last_hidden_state=last, last_hidden_mask=mask)
+        return cls(
+            hidden_states=hidden,
+            last_hidden_state=features.last_hidden_state.to(dtype),
+            last_hidden_mask=features.last_hidden_mask,
+        )
 
 
 def build_causal_lm(
@@ -120,6 +168,33 @@ class FrozenTarget(nn.Module):
         return len(self.decoder_layers)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype its forward computes in (its LM head's), which captured features are cast to."""
+        return self.lm_head.weight.dtype
+
+    def identity(self) -> dict[str, Any]:
+        """What captured features must come from: the config (its hash; paths, dtype and versions left
+        out), the parameter dtype, sizes, and a digest of the frozen tensors a draft still reads at training
+        time (input embedding, LM head), which tells two random or fine-tuned targets of one config apart."""
+        config = {
+            key: value
+            for key, value in self.model.config.to_dict().items()
+            if not key.startswith("_") and key not in ("dtype", "torch_dtype", "transformers_version")
+        }
+        config_json = json.dumps(config, sort_keys=True, default=str)
+        config_hash = hashlib.sha256(config_json.encode()).hexdigest()[:32]
+        weights = state_digest({"embed": self.input_embeddings.weight, "lm_head": self.lm_head.weight})[:32]
+        # In the order a mismatch is best explained: the config first, the weights' bytes last.
+        return {
+            "config_hash": config_hash,
+            "dtype": str(self.compute_dtype).removeprefix("torch."),
+            "hidden_size": int(self.text_config.hidden_size),
+            "num_layers": self.num_layers,
+            "vocab_size": self.vocab_size,
+            "weights": weights,
+        }
+
+    @property
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.get_decoder().layers
 
@@ -144,9 +219,22 @@ class FrozenTarget(nn.Module):
                     special.setdefault(token, name.removesuffix("_token_id"))
         return special
 
+    def release_decoder(self) -> None:
+        """Free the decoder layers' weights (each becomes an empty tensor of its dtype): a draft trained
+        from captured features never runs them, and only the embedding, final norm and LM head stay, on
+        the device as in memory. A forward afterwards is refused."""
+        for parameter in self.decoder_layers.parameters():
+            parameter.data = parameter.data.new_empty(0)
+        self.decoder_released = True
+
     @torch.no_grad()
     def forward(self, packed: PackedBatch, layer_ids: Sequence[int] = ()) -> TargetOutput:
         """Run the whole micro-batch once; capture the outputs of ``layer_ids`` and the final hidden state."""
+        if getattr(self, "decoder_released", False):
+            raise ValueError(
+                "this batch carries no target features, but the target's decoder was released "
+                "(target_decoder=False); train from a features directory (features_dir) or keep target_decoder"
+            )
         self._check_layer_ids(layer_ids)
         backend = self._select_backend(packed.input_ids.device)
         captured: dict[int, Tensor] = {}

@@ -15,7 +15,11 @@ from lightning_drafts.attention.block_masks import block_layout
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.core.ratio_metric import ratio
 from lightning_drafts.dspark.confidence_head import ConfidenceHead
-from lightning_drafts.dspark.context_features import capture_context_features, default_target_layer_ids
+from lightning_drafts.dspark.context_features import (
+    context_features,
+    default_target_layer_ids,
+    hooked_layer_ids,
+)
 from lightning_drafts.dspark.eval_mask import block_supervision, build_eval_mask
 from lightning_drafts.dspark.markov_head import MarkovHead
 from lightning_drafts.dspark.metrics import acceptance_sums
@@ -328,7 +332,9 @@ def test_flex_block_mask_path_matches_sdpa_on_cpu():
 def test_context_features_follow_the_hf_offset_one_convention():
     module = make(target_layer_ids=[-1, 2, 7])
     batch = packed_row(documents([12]), 12)
-    features, final = capture_context_features(module.target, validate_batch(batch), [-1, 2, 7])
+    packed = validate_batch(batch)
+    output = module.target_output(packed, hooked_layer_ids([-1, 2, 7], module.target.num_layers))
+    features, final = context_features(output, module.target, packed, [-1, 2, 7]), output.last_hidden_state
     with torch.no_grad():
         reference = module.target.model(
             input_ids=batch["input_ids"], output_hidden_states=True, use_cache=False

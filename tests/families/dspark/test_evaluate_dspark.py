@@ -17,7 +17,7 @@ import torch
 from lightning_drafts import DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
 from lightning_drafts.core.batch import validate_batch
-from lightning_drafts.dspark.context_features import capture_context_features
+from lightning_drafts.dspark.context_features import context_features, hooked_layer_ids
 from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.dspark.speculate import DSparkSpeculator, load_speculator
 from lightning_drafts.serving.family import Speculator, VerifiedPrefix
@@ -251,7 +251,9 @@ def test_the_served_block_equals_the_training_modules_block(layout, options, tmp
     for anchor in (0, 4, 9):
         layout_ = block_layout(packed, torch.tensor([[anchor]]), BLOCK)
         with torch.no_grad():
-            features, _ = capture_context_features(module.target, packed, module.target_layer_ids)
+            hooked = hooked_layer_ids(module.target_layer_ids, module.target.num_layers)
+            output = module.target_output(packed, hooked)
+            features = context_features(output, module.target, packed, module.target_layer_ids)
             hidden = module._draft_hidden(packed, layout_, features)
             supervision = block_supervision(packed, layout_)
             trained, trained_confidence = module.draft.heads(hidden, supervision.previous)

@@ -1,0 +1,341 @@
+"""Capture a draft's target features once, so it can train for many epochs without the target's forward.
+
+``capture_features(module, datamodule, output_dir)`` runs the module's frozen target over every document
+of the data module's sources (packed rows, documents isolated, the target's fastest attention path) and
+writes exactly what the module's :meth:`~lightning_drafts.training.module.DraftModule.feature_request`
+names into a features directory (:mod:`lightning_drafts.datamodules.feature_store`). It estimates the
+disk it needs first and refuses with the figure when the free space is short; it resumes a stopped capture
+at its first missing shard (the manifest must be the same, field by field); under ``torch.distributed``
+each rank captures every ``world_size``-th shard and rank 0 completes the manifest.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_drafts.core.target_features import FeatureRequest
+from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.documents import Documents
+from lightning_drafts.datamodules.feature_store import (
+    FLOAT8,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    documents_digest,
+    final_rows_per_document,
+    quantize_rows,
+    read_manifest,
+    shard_bounds,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+from lightning_drafts.datamodules.packing import collate_placed, place, plan_epoch
+from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.target import as_dtype
+
+# About this many bytes of features per shard: large enough that a shard costs one open, small enough
+# that a stopped capture loses little.
+SHARD_BYTES = 1 << 30
+# float8 stores the captured layers with a scale per token and layer (the final state stays bfloat16).
+STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FLOAT8)
+# Fields of the manifest that describe the progress, not what was captured (a resume may differ in them).
+PROGRESS_FIELDS = ("complete", "capture_seconds")
+
+
+@dataclass(frozen=True)
+class CaptureSummary:
+    """What a capture call did: shards written now and present in all, bytes on disk, seconds taken."""
+
+    directory: Path
+    shards_written: int
+    shards_total: int
+    bytes_estimated: int
+    complete: bool
+    seconds: float
+
+
+def capture_features(
+    module: DraftModule,
+    datamodule: PackedChatDataModule,
+    output_dir: str | Path,
+    dtype: str = "bfloat16",
+    rows_per_batch: int | None = None,
+    **options: Any,
+) -> CaptureSummary:
+    """Capture ``module``'s target features for every document of ``datamodule`` into ``output_dir``
+    (the data module's tokenizer, chat template and data settings go into the manifest).
+
+    ``rows_per_batch``: documents per forward (default the data module's ``batch_size``); ``options``:
+    those of :func:`capture_documents`.
+    """
+    datamodule.setup("fit")
+    sources = {name: docs for name, docs in datamodule.feature_sources().items() if docs is not None}
+    data = {
+        **datamodule.features_identity(),
+        "data": {
+            "data_files": datamodule.data_files,
+            "val_data_files": datamodule.val_data_files,
+            "max_tokens": datamodule.max_tokens,
+            "long_documents": datamodule.long_documents,
+            "max_documents": datamodule.max_documents,
+        },
+    }
+    return capture_documents(
+        module,
+        sources,
+        output_dir,
+        max_tokens=datamodule.max_tokens,
+        pad_token_id=datamodule.pad_token_id,
+        data=data,
+        dtype=dtype,
+        rows_per_batch=rows_per_batch or datamodule.batch_size,
+        **options,
+    )
+
+
+def capture_documents(
+    module: DraftModule,
+    sources: dict[str, Documents],
+    output_dir: str | Path,
+    *,
+    max_tokens: int,
+    pad_token_id: int,
+    data: dict[str, Any],
+    dtype: str = "bfloat16",
+    rows_per_batch: int = 8,
+    shard_bytes: int = SHARD_BYTES,
+    keep_free_bytes: int = 0,
+    max_shards: int | None = None,
+    device: str | torch.device | None = None,
+) -> CaptureSummary:
+    """Capture ``module``'s target features for the documents of each source into ``output_dir``.
+
+    Args:
+        sources: documents per source name (``data_files`` / ``val_data_files``), each one tokenised corpus.
+        max_tokens, pad_token_id: the rows the documents are packed into for the target's forward.
+        data: what the documents were made with (recorded in the manifest, checked by the data module).
+        dtype: storage dtype of the features (``"bfloat16"`` halves ``"float32"``; exact parity with
+            the online step needs ``"float32"``; ``"float8_e4m3fn"`` halves bfloat16 again for the captured
+            layers, with a scale per token and layer, the teacher's final state kept in bfloat16).
+        rows_per_batch: documents per forward.
+        shard_bytes: about how many bytes of features each shard holds.
+        keep_free_bytes: refuse unless this much disk stays free after the capture.
+        max_shards: stop after writing this many shards (the capture stays incomplete and resumes on the
+            next call), e.g. to spread one capture over several jobs.
+        device: where the target runs (default: CUDA when available, else CPU).
+    """
+    started = time.perf_counter()
+    directory = Path(output_dir)
+    storage = _storage_dtype(dtype)
+    request = module.feature_request()
+    manifest = _manifest(module, request, storage, sources, shard_bytes, data)
+    estimate = _estimate_bytes(manifest, storage)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = read_manifest(directory)
+    if existing is not None:
+        _check_resumable(existing, manifest, directory)
+        manifest = {**manifest, "capture_seconds": existing.get("capture_seconds", 0.0)}
+    if dist.is_initialized():
+        dist.barrier()  # every rank has read the manifest before rank 0 writes one
+    if existing is None and rank == 0:
+        write_manifest(directory, {**manifest, "complete": False, "capture_seconds": 0.0})
+    todo = [
+        (source, index, shard["documents"])
+        for source, entry in manifest["sources"].items()
+        for index, shard in enumerate(entry["shards"])
+        if not (directory / shard["file"]).exists()
+    ]
+    _check_disk(directory, estimate, todo, manifest, keep_free_bytes)
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    module.target.to(device)
+    written = 0
+    for position, (source, index, (begin, end)) in enumerate(todo):
+        if position % world != rank:
+            continue
+        if max_shards is not None and written >= max_shards:
+            break
+        shard = sources[source].select(np.arange(begin, end))
+        tensors = _capture_shard(
+            module, shard, request, storage, rows_per_batch, max_tokens, pad_token_id, device
+        )
+        write_shard(directory / shard_name(source, index), tensors)
+        written += 1
+    if dist.is_initialized():
+        dist.barrier()
+    shards = [shard["file"] for entry in manifest["sources"].values() for shard in entry["shards"]]
+    total, present = len(shards), sum((directory / name).exists() for name in shards)
+    seconds = time.perf_counter() - started
+    if rank == 0:
+        elapsed = float(manifest.get("capture_seconds", 0.0)) + seconds
+        write_manifest(directory, {**manifest, "complete": present == total, "capture_seconds": elapsed})
+    if dist.is_initialized():
+        dist.barrier()
+    return CaptureSummary(directory, written, total, estimate, present == total, seconds)
+
+
+def _storage_dtype(dtype: str) -> torch.dtype:
+    resolved = as_dtype(dtype)
+    if resolved not in STORAGE_DTYPES:
+        names = [str(d).removeprefix("torch.") for d in STORAGE_DTYPES]
+        raise ValueError(f"dtype {dtype!r} cannot store features; use one of {names} (default 'bfloat16')")
+    return resolved
+
+
+def _teacher_dtype(storage: torch.dtype) -> torch.dtype:
+    """float8 is for the captured layers only: the teacher's final state keeps bfloat16."""
+    return torch.bfloat16 if storage == FLOAT8 else storage
+
+
+def _manifest(
+    module: DraftModule,
+    request: FeatureRequest,
+    storage: torch.dtype,
+    sources: dict[str, Documents],
+    shard_bytes: int,
+    data: dict[str, Any],
+) -> dict[str, Any]:
+    identity = module.target.identity()
+    hidden = identity["hidden_size"]
+    bytes_per_token = len(request.layer_ids) * hidden * storage.itemsize
+    tokens_per_shard = max(1, shard_bytes // max(bytes_per_token, 1))
+    target = module.hparams.get("target")
+    entries = {}
+    for name, documents in sources.items():
+        finals = final_rows_per_document(documents, request.final_positions)
+        entries[name] = {
+            "documents": len(documents),
+            "tokens": documents.num_tokens,
+            "final_rows": int(finals.sum()),
+            "documents_digest": documents_digest(documents),
+            "shards": [
+                {"file": shard_name(name, i), "documents": [begin, end]}
+                for i, (begin, end) in enumerate(shard_bounds(documents.lengths, tokens_per_shard))
+            ],
+        }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "target": {**identity, "spec": target if isinstance(target, (str, dict)) else None},
+        "draft_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "layer_ids": list(request.layer_ids),
+        "final_positions": request.final_positions,
+        "dtype": str(storage).removeprefix("torch."),
+        **data,
+        "sources": entries,
+    }
+
+
+def _estimate_bytes(manifest: dict[str, Any], storage: torch.dtype) -> int:
+    """tokens x layers x hidden x bytes, plus the final-state rows (and their int32 positions)."""
+    hidden, layers = manifest["target"]["hidden_size"], len(manifest["layer_ids"])
+    scales = layers * 4 if storage == FLOAT8 else 0
+    total = 0
+    for entry in manifest["sources"].values():
+        total += entry["tokens"] * (layers * hidden * storage.itemsize + scales)
+        total += entry["final_rows"] * (hidden * _teacher_dtype(storage).itemsize + 4)
+    return total
+
+
+def _check_resumable(existing: dict[str, Any], manifest: dict[str, Any], directory: Path) -> None:
+    for field in sorted(set(existing) | set(manifest)):
+        if field in PROGRESS_FIELDS:
+            continue
+        if existing.get(field) != manifest.get(field):
+            raise ValueError(
+                f"{directory / MANIFEST} records another capture: its {field!r} is {existing.get(field)!r}, this "
+                f"one's {manifest.get(field)!r}; capture into an empty directory (or delete that one)"
+            )
+
+
+def _check_disk(
+    directory: Path, estimate: int, todo: list, manifest: dict[str, Any], keep_free_bytes: int
+) -> None:
+    entries = manifest["sources"]
+    remaining = sum(end - begin for _, _, (begin, end) in todo)
+    all_documents = sum(entry["documents"] for entry in entries.values()) or 1
+    # The shards still to write, pro rata by document count.
+    needed = estimate * remaining // all_documents
+    free = shutil.disk_usage(directory).free
+    if free - needed < keep_free_bytes:
+        raise ValueError(
+            f"the capture needs about {_gib(needed)} more on {directory} ({_gib(estimate)} in all: tokens x layers "
+            f"x hidden x bytes, plus the teacher rows) and keep_free_bytes={_gib(keep_free_bytes)} must stay free, "
+            f"but only {_gib(free)} is free; free some space, pick another output directory or a smaller dtype"
+        )
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.3f} GiB ({count:,} bytes)"
+
+
+@torch.no_grad()
+def _capture_shard(
+    module: DraftModule,
+    documents: Documents,
+    request: FeatureRequest,
+    storage: torch.dtype,
+    rows_per_batch: int,
+    max_tokens: int,
+    pad_token_id: int,
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """One shard's tensors: its documents packed into rows (in order, ``rows_per_batch`` documents per
+    forward), each document's features cut back out of the rows."""
+    plan = plan_epoch(
+        documents.lengths,
+        mode="microbatch",
+        max_tokens=max_tokens,
+        batch_size=rows_per_batch,
+        seed=0,
+        epoch=0,
+        shuffle=False,
+    )
+    teacher = _teacher_dtype(storage)
+    hidden_of: dict[int, Tensor] = {}
+    final_of: dict[int, tuple[Tensor, Tensor]] = {}
+    for index in range(len(plan)):
+        placement = place(documents, plan, index)
+        batch = collate_placed(documents, placement, pad_token_id)
+        features = module.features_for({k: v.to(device) for k, v in batch.items()})
+        flat = features["target_hidden_states"].flatten(0, 1)[torch.from_numpy(placement.target).to(device)]
+        pieces = flat.to(storage).cpu() if storage != FLOAT8 else flat.cpu()
+        pieces = pieces.split(placement.lengths.tolist())
+        if request.final_positions != "none":
+            states = features["target_last_hidden_state"].flatten(0, 1)
+            mask = features["target_last_hidden_mask"].flatten()
+        for j, doc in enumerate(placement.docs.tolist()):
+            hidden_of[doc] = pieces[j]
+            if request.final_positions != "none":
+                base, length = int(placement.doc_base[j]), int(placement.lengths[j])
+                kept = mask[base : base + length].nonzero().squeeze(1)
+                final_of[doc] = (kept.to(torch.int32).cpu(), states[base + kept].to(teacher).cpu())
+    order = range(len(documents))
+    hidden_size = int(module.target.text_config.hidden_size)
+    positions = [final_of[d][0] if d in final_of else torch.zeros(0, dtype=torch.int32) for d in order]
+    finals = [final_of[d][1] if d in final_of else torch.zeros(0, hidden_size, dtype=teacher) for d in order]
+    hidden = torch.cat([hidden_of[d] for d in order])
+    scaled = {}
+    if storage == FLOAT8:
+        hidden, scaled["hidden_scales"] = quantize_rows(hidden, len(request.layer_ids))
+    return {
+        **scaled,
+        "hidden_states": hidden,
+        "last_hidden_state": torch.cat(finals),
+        "last_hidden_positions": torch.cat(positions),
+        "doc_starts": torch.from_numpy(documents.starts.astype(np.int64)),
+        "doc_lengths": torch.from_numpy(documents.lengths.astype(np.int64)),
+        "doc_final_rows": torch.tensor([len(p) for p in positions], dtype=torch.int64),
+    }
