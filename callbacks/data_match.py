@@ -34,6 +34,12 @@ class DataMatchCallback(L.Callback):
         target = getattr(pl_module, "target", None)
         if self.num_documents == 0 or documents is None or target is None:
             return
+        if getattr(target, "decoder_released", False):
+            # Training from captured features without the target's decoder: nothing can run it here.
+            rank_zero_info(
+                "data match: not measured (the target's decoder was released, target_decoder=False)"
+            )
+            return
         self.result = result = target_match(target, documents, self.num_documents, self.seed)
         if result.share is None or not trainer.is_global_zero:
             return
