@@ -148,15 +148,23 @@ def tiled_attention(
         empty = query.new_zeros(batch, heads, 0, value.shape[-1])
         return empty, query.new_zeros(batch, heads, 0, dtype=torch.float32) if with_lse else None
     keys, values = _gather_rows(key, mask.key_index), _gather_rows(value, mask.key_index)
-    outs, lses, offset = [], [], 0
-    for tile in mask.tiles:
-        count = batch * tile.width
-        k = keys[offset : offset + count].view(batch, tile.width, heads, -1).transpose(1, 2)
-        v = values[offset : offset + count].view(batch, tile.width, heads, -1).transpose(1, 2)
-        out, lse = _tile_attention(query[:, :, tile.start : tile.stop], k, v, tile, scale, with_lse)
+    # One split per tensor rather than a slice per tile: a slice's backward writes its gradient into a
+    # zero tensor of the whole input, so per-tile slices cost a full-size fill and add per tile.
+    widths = [batch * tile.width for tile in mask.tiles]
+    pieces = zip(
+        mask.tiles,
+        query.split([tile.stop - tile.start for tile in mask.tiles], dim=2),
+        keys.split(widths),
+        values.split(widths),
+        strict=True,
+    )
+    outs, lses = [], []
+    for tile, q, k, v in pieces:
+        k = k.view(batch, tile.width, heads, -1).transpose(1, 2)
+        v = v.view(batch, tile.width, heads, -1).transpose(1, 2)
+        out, lse = _tile_attention(q, k, v, tile, scale, with_lse)
         outs.append(out)
         lses.append(lse)
-        offset += count
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2) if with_lse else None
 
 
