@@ -98,12 +98,16 @@ def ttt_attention(
     if len(cache.keys) == 1:
         return block
     q32 = query.float()
-    diagonal = torch.stack([(q32 * k.float()).sum(-1) * scale for k in cache.keys[1:]], dim=-1)
-    total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=-1))
-    block_weight = torch.exp(block_lse - total)[..., None].to(block.dtype)
-    diagonal_weight = torch.exp(diagonal - total[..., None]).to(value.dtype)
-    diagonal_values = torch.stack(cache.values[1:], dim=-1)
-    return block_weight * block + (diagonal_values * diagonal_weight[..., None, :]).sum(-1)
+    # Scores stacked on a leading axis and the values weighted one step at a time: stacking the values on
+    # a trailing axis of size k copied every one of them at every step (and kept the copy for backward).
+    diagonal = torch.stack([(q32 * k.float()).sum(-1) for k in cache.keys[1:]]) * scale
+    total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=0))
+    out = torch.exp(block_lse - total)[..., None].to(block.dtype) * block
+    for weight, diagonal_value in zip(
+        torch.exp(diagonal - total).to(value.dtype), cache.values[1:], strict=True
+    ):
+        out = out + weight[..., None] * diagonal_value
+    return out
 
 
 # --- frames and masks -----------------------------------------------------------------------------
