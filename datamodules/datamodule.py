@@ -28,6 +28,7 @@ from lightning_drafts.datamodules.packing import resolve_packing
 from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
 from lightning_drafts.datamodules.templates import resolve_chat_template
 from lightning_drafts.datamodules.tokenize import TokenizedCorpus, default_cache_dir, tokenize_rows
+from lightning_drafts.shipped import resolve_shipped
 
 logger = logging.getLogger("lightning_drafts.datamodules")
 
@@ -41,7 +42,8 @@ class PackedChatDataModule(LightningDataModule):
         data_files: JSON / JSONL / Parquet file(s) or glob(s) of OpenAI ``messages`` or ShareGPT
             ``conversations`` rows, a ``datasets`` hub id (online only), or None for the embedded
             chitchat corpus.
-        tokenizer: a path, a hub id, a tokenizer object, or None for the embedded Mistral v1 tokenizer.
+        tokenizer: a path, a hub id, ``shipped:<name>`` (the tokenizer of a shipped tiny target, e.g.
+            ``shipped:tiny-llama``), a tokenizer object, or None for the embedded Mistral v1 tokenizer.
         chat_template: None for the tokenizer's own template, a built-in name (``"mistral"``,
             ``"chatml"``) or a Jinja template string.
         max_tokens: row width of packed rows, and the length limit of a document.
@@ -183,6 +185,22 @@ class PackedChatDataModule(LightningDataModule):
             )
         if self._is_global_zero():
             self._log_summary()
+
+    def reserved_id_problem(self, token_id: int) -> str | None:
+        """Why ``token_id`` cannot be a reserved id (a block draft's mask token): it is one of the
+        tokenizer's eos / bos / pad / unk tokens, or it occurs in the documents (after :meth:`setup`).
+        ``None`` when it is neither."""
+        tokenizer = self.tokenizer
+        for name in ("eos", "bos", "pad", "unk"):
+            if getattr(tokenizer, f"{name}_token_id") == token_id:
+                return f"the tokenizer's {name} token {getattr(tokenizer, f'{name}_token')!r}"
+        # Train and validation documents may be views of one token array: count each array once.
+        arrays = {id(d.input_ids): d.input_ids for d in (self.train_documents, self.val_documents) if d}
+        count = sum(int(np.count_nonzero(ids == token_id)) for ids in arrays.values())
+        if count:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            return f"token {token!r}, which occurs {count:,} times in the data"
+        return None
 
     def _tokenized(self, files: str | list[str] | None) -> TokenizedCorpus:
         rejected = Counter()
@@ -356,7 +374,7 @@ def _load_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerBase | Non
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
-        return AutoTokenizer.from_pretrained(str(tokenizer))
+        return AutoTokenizer.from_pretrained(resolve_shipped(str(tokenizer)))
     raise ValueError(
         f"tokenizer={tokenizer!r} must be a path, a hub id, a transformers tokenizer, or None for the embedded one"
     )

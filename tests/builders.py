@@ -1,10 +1,12 @@
-"""Tiny random target configs (built offline), packed / padded batch builders and an export editor shared
-by tests."""
+"""Tiny random target configs (built offline), packed / padded batch builders, an export editor and a
+check that repeated steps leave no tensor behind, shared by tests."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -160,3 +162,39 @@ def assert_target_greedy(target, prompts, generations, max_new_tokens: int, with
                 use_cache=True,
             )
             assert hf[0, prompt.numel() :].tolist() == generated
+
+
+def assert_no_tensor_outlives(step: Callable[[], object], warmup: int = 2, repeats: int = 3) -> None:
+    """``step`` (its result dropped) run ``repeats`` more times leaves exactly as many live tensors as it
+    left once: one left behind per step grows host memory without bound over a training run, whether a
+    container or an autograd graph kept alive through a reference cycle holds it. The warmup lets what is
+    made once (optimizer or gradient buffers, caches keyed by shape) exist before anything is counted."""
+    for _ in range(warmup):
+        step()
+    gc.collect()
+    # Everything older (the whole test session) leaves the generations that get_objects and collections
+    # walk: only what the steps make is counted, in milliseconds, and references from older objects
+    # still keep it alive.
+    gc.freeze()
+    try:
+        step()
+        before = _new_tensors()
+        for _ in range(repeats):
+            step()
+        after = _new_tensors()
+    finally:
+        gc.unfreeze()
+    grown, shrunk = after - before, before - after
+    assert not grown and not shrunk, (
+        f"{sum(grown.values())} tensors outlived {repeats} steps (shape, dtype: count): {dict(grown)}"
+        + (f"; {dict(shrunk)} were freed" if shrunk else "")
+    )
+
+
+def _new_tensors() -> Counter[tuple[tuple[int, ...], torch.dtype]]:
+    """Live tensors by (shape, dtype) among the objects made since ``gc.freeze``, after a collection."""
+    gc.collect()
+    # type(), not isinstance(): isinstance reads ``__class__``, which some lazy module proxies warn on.
+    return Counter(
+        (tuple(obj.shape), obj.dtype) for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)
+    )

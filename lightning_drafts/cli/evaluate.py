@@ -4,6 +4,7 @@ Examples::
 
     lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --num-prompts 16
     lightning-drafts evaluate DIR --target meta-llama/Llama-3.1-8B-Instruct --prompts prompts.jsonl --json r.json
+    lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --engine vllm
 
 Prompt sources, first match wins: ``--prompts`` (JSONL of token ids), ``--data-files`` (chat files,
 tokenised by ``lightning_drafts.datamodules.PackedChatDataModule``), ``--config`` / ``--data-config`` (a ``fit`` config:
@@ -21,7 +22,9 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
+from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
 from lightning_drafts.workflows.evaluate import evaluate_export
 
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
@@ -46,6 +49,9 @@ def evaluate_main(args: list[str]) -> None:
         target_attn_backend=parsed.target_attn_backend,
         target_dtype=parsed.target_dtype,
         device=parsed.device,
+        engine=parsed.engine,
+        vllm_python=parsed.vllm_python,
+        progress=True,
     )
     print(report.format_table())
     if parsed.json:
@@ -77,6 +83,18 @@ def _parser() -> argparse.ArgumentParser:
         help="sdpa (default: one sequence per forward needs no packing kernel), eager, flex, flash or auto",
     )
     parser.add_argument("--device", default=None, help="e.g. cuda:0 (default: where the target loads, CPU)")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="builtin",
+        help="who drafts and verifies: builtin (the project's greedy decode, default) or vllm (a real vLLM "
+        "engine in its own environment, see --vllm-python)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help=f"python of the vLLM environment (default: ${VLLM_PYTHON_ENV}, else .venv-vllm, built by .ci/vllm-env)",
+    )
     parser.add_argument("--config", default=None, help="a `lightning-drafts fit` config: its target and data")
     parser.add_argument("--prompts", default=None, help="JSONL of token-id prompts (see load_prompts_jsonl)")
     parser.add_argument("--data-files", nargs="+", default=None, help="chat files for PackedChatDataModule")

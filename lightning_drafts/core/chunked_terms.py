@@ -87,7 +87,7 @@ class _GradientInForward(torch.autograd.Function):
             leaves = [t[start:stop].detach().requires_grad_(t.requires_grad) for t in per_block]
             # The chunk's own graph lives only until its gradients are taken below: keep it out of any
             # saved-tensor hooks around this call (activation offloading, memory accounting).
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
                 outputs = plan.terms(*leaves)
             candidates = [*leaves, *parameters]
             sources = [candidates[i] for i in wanted]
@@ -172,7 +172,15 @@ def _accumulate(
         buffers[index][rows[0] : rows[1]] = grad
 
 
-def _same(tensor: Tensor) -> Tensor:
+def _pack(tensor: Tensor) -> Tensor:
+    # Detached, never the tensor itself: a node that saves its own output (log_softmax, exp) would
+    # otherwise hold that output, whose grad_fn is the node, in a cycle through C++ that no garbage
+    # collection sees. Any part of the chunk's graph its backward did not free (an output only a
+    # retained or never-taken gradient reaches) then outlives the step with every tensor it saved.
+    return tensor.detach()
+
+
+def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 

@@ -16,4 +16,6 @@ FAMILY = DraftFamily(
     load_speculator=load_speculator,
     load_training_module=load_training_module,
     default_num_steps=default_num_steps,
+    # vLLM tells DFlash2 from DFlash by the architecture; both are its "dflash" method.
+    vllm_methods={architecture: "dflash" for architecture in ARCHITECTURES},
 )

@@ -48,7 +48,7 @@ from lightning_drafts.dflash.objectives import BlockObjective
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.dflash.reload import load_into_module
 from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_TOP_K, TARGET_LAYER_IDS
-from lightning_drafts.training.hyperparameters import check_mask_token_id
+from lightning_drafts.training.hyperparameters import check_mask_token_against_data, check_mask_token_id
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import TargetSpec
 
@@ -161,6 +161,9 @@ class DFlashModule(DraftModule):
         return DFlashDraft(config, len(self.target_layer_ids))
 
     # --- anchors and the objective ---------------------------------------------------------------
+
+    def check_data(self, datamodule: Any) -> None:
+        check_mask_token_against_data(self.mask_token_id, datamodule)
 
     def sample_anchors(
         self, batch: Mapping[str, Tensor] | PackedBatch, generator: torch.Generator | None = None

@@ -16,8 +16,12 @@ SELECTOR_RANK = int_rule("selector_rank", 1, hint="256 is the published default"
 
 
 def layer_ids_problem(ids: Any, num_layers: Any) -> str | None:
-    """A non-empty list of the target decoder layers ``fc`` reads, in its column order, each inside the
-    target (unchecked where ``num_layers`` is not an int)."""
+    """A non-empty, strictly increasing list of the target decoder layers ``fc`` reads, each inside the
+    target (unchecked where ``num_layers`` is not an int).
+
+    Increasing because serving engines collect the captured states while looping over the target's layers,
+    so ``fc``'s input chunks arrive in layer order there whatever order training used.
+    """
     if not isinstance(ids, (list, tuple)) or not ids:
         return (
             f"{ids!r}; it must be the non-empty list of target decoder layers the draft's fc reads, in its "
@@ -32,6 +36,11 @@ def layer_ids_problem(ids: Any, num_layers: Any) -> str | None:
             f"{list(ids)}; it names layers outside the target's {num_layers} decoder layers (offending: "
             f"{outside}; valid outputs: 0..{num_layers - 1}); ids are decoder-layer outputs, not HF "
             "hidden_states indices (no +1)"
+        )
+    if list(ids) != sorted(set(ids)):
+        return (
+            f"{list(ids)}; it must be strictly increasing ({sorted(set(ids))}): serving engines concatenate "
+            "the captured states in layer order, so any other order would scramble fc's input at serving time"
         )
     return None
 

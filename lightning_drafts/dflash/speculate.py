@@ -9,8 +9,12 @@ the speculator embeds with the target's embedding and reads logits with the targ
 One proposal from a verified prefix ``x_0 .. x_{L-1}`` (the last token, the previous round's bonus token,
 has no target features yet), in the training frame of dflash.md §1-2:
 
-* the block is ``[x_{L-1}, MASK, ..., MASK]`` (``block_size`` slots) at RoPE positions ``L-1 ..
-  L-2+block_size``; the anchor slot is the last verified token;
+* the block is ``[x_{L-1}, MASK, ..., MASK]``: the anchor (the last verified token) and ``num_steps``
+  mask slots, at RoPE positions ``L-1 .. L-1+num_steps``. With the default ``num_steps = block_size - 1``
+  this is the trained block (the reference decode's, dflash.md §2.5); asked for fewer tokens, the block is
+  shortened rather than drafted whole and cut, because that is what vLLM serves (its DFlash and DFlash2
+  drafters query the bonus token and ``num_speculative_tokens`` mask tokens, nothing more), and the
+  two-way in-block attention makes the two differ;
 * the context is the fused target features of ``x_0 .. x_{L-2}``, every one strictly before the anchor (the
   training mask's ``kv < anchor``), narrowed to ``(L-1 + i) - kv < sliding_window`` for slot ``i`` when the
   draft has a window; the block attends to itself both ways;
@@ -41,8 +45,8 @@ from lightning_drafts.training.target import FrozenTarget
 
 @dataclass(frozen=True)
 class DraftedBlock:
-    """One drafted block: the proposal (target ids ``[block_size - 1]``), the logits of the drafted slots
-    (``[block_size - 1, V]``, the target's LM head on the draft's final states) and those states."""
+    """One drafted block: the proposal (target ids ``[num_steps]``), the logits of the drafted slots
+    (``[num_steps, V]``, the target's LM head on the draft's final states) and those states."""
 
     tokens: Tensor
     logits: Tensor
@@ -56,7 +60,7 @@ class DFlashSpeculator:
         draft: the draft network (as loaded from the export).
         config: the export's ``config.json``.
         target: the frozen target whose embedding and LM head the draft reuses.
-        num_steps: tokens proposed per round (at most ``block_size - 1``; the block is drafted whole).
+        num_steps: tokens proposed per round, at most ``block_size - 1``: the mask slots of the block.
     """
 
     def __init__(
@@ -78,36 +82,37 @@ class DFlashSpeculator:
         self.top_k = int(dflash_config["selector_top_k"]) if isinstance(draft, DFlash2Draft) else None
 
     def propose(self, prefix: VerifiedPrefix) -> Tensor:
-        return self.draft_block(prefix).tokens[: self.num_steps]
+        return self.draft_block(prefix).tokens
 
     @torch.no_grad()
     def draft_block(self, prefix: VerifiedPrefix) -> DraftedBlock:
-        """The whole block drafted after ``prefix`` (its last token is the anchor)."""
+        """The block drafted after ``prefix`` (its last token is the anchor): ``num_steps`` mask slots."""
         device = self.draft.fc.weight.device
         context = prefix.tokens.numel() - 1
+        slots = self.num_steps + 1
         features = torch.cat(prefix.hidden_states, dim=-1).to(device)
         anchor = prefix.tokens[-1:].to(device)
-        block = torch.cat([anchor, anchor.new_full((self.block_size - 1,), self.mask_token_id)])
-        offsets = torch.arange(self.block_size, device=device)
+        block = torch.cat([anchor, anchor.new_full((slots - 1,), self.mask_token_id)])
+        offsets = torch.arange(slots, device=device)
         hidden = self.draft(
             features,
             torch.arange(context, device=device),
             self.target.input_embeddings(block.to(self.target.lm_head.weight.device)).to(device)[None],
             (context + offsets)[None],
-            self._mask(context, device),
+            self._mask(context, slots, device),
         )[0, 1:]
         logits = self._logits(hidden)
         tokens = self._pick(hidden, logits, anchor)
         return DraftedBlock(tokens.to(prefix.tokens.device), logits, hidden)
 
-    def _mask(self, context: int, device: torch.device) -> Tensor:
-        """``[1, 1, block_size, context + block_size]``: all earlier context (within the window), own block."""
-        slots = torch.arange(self.block_size, device=device)[:, None]
+    def _mask(self, context: int, slots: int, device: torch.device) -> Tensor:
+        """``[1, 1, slots, context + slots]``: all earlier context (within the window), own block."""
+        offsets = torch.arange(slots, device=device)[:, None]
         keys = torch.arange(context, device=device)[None]
-        visible = torch.ones(self.block_size, context, dtype=torch.bool, device=device)
+        visible = torch.ones(slots, context, dtype=torch.bool, device=device)
         if self.sliding_window is not None:
-            visible = (context + slots) - keys < self.sliding_window
-        own = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=device)
+            visible = (context + offsets) - keys < self.sliding_window
+        own = torch.ones(slots, slots, dtype=torch.bool, device=device)
         return torch.cat([visible, own], dim=1)[None, None]
 
     def _logits(self, hidden: Tensor) -> Tensor:

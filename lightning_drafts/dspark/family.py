@@ -17,4 +17,7 @@ FAMILY = DraftFamily(
     load_training_module=load_training_module,
     default_num_steps=default_num_steps,
     layouts=tuple(LAYOUTS),
+    # Both layouts load into vLLM's Qwen3 DSpark model (tests/families/test_vllm_layouts.py), which only
+    # vLLM's V2 model runner serves: its CPU build refuses to.
+    vllm_methods={architecture: "dspark" for architecture in LAYOUTS.values()},
 )

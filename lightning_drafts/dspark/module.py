@@ -57,7 +57,7 @@ from lightning_drafts.dspark.rules import (
     MARKOV_HEAD_TYPE,
     MARKOV_RANK,
 )
-from lightning_drafts.training.hyperparameters import check_mask_token_id
+from lightning_drafts.training.hyperparameters import check_mask_token_against_data, check_mask_token_id
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import TargetSpec
 
@@ -182,6 +182,9 @@ class DSparkModule(DraftModule):
         return self.draft.confidence_head is not None
 
     # --- anchors and the objective ---------------------------------------------------------------
+
+    def check_data(self, datamodule: Any) -> None:
+        check_mask_token_against_data(self.mask_token_id, datamodule)
 
     def sample_anchors(
         self, batch: Mapping[str, Tensor] | PackedBatch, generator: torch.Generator | None = None

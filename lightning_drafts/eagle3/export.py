@@ -16,22 +16,31 @@ Both drafts write ``<dir>/config.json`` and ``<dir>/model.safetensors``.
   ``target_hidden_size``, ``tie_word_embeddings: false``, and the captured layers in **both** engine
   conventions (see :func:`~lightning_drafts.eagle3.layout.layer_id_fields`).
 
-**MLA draft** (:class:`MLAEagle3Module`): no serving engine loads an MLA EAGLE-3 draft today, so the
-layout is this project's own, named ``LightningDraftsMLAEagle3`` so that an engine refuses it loudly
-rather than mis-loading it. It reloads with :func:`~lightning_drafts.eagle3.reload.load_eagle3`.
+**MLA draft** (:class:`MLAEagle3Module`): the ``Eagle3DeepseekV2ForCausalLM`` layout vLLM loads
+(``model_executor/models/deepseek_eagle3.py``); it also reloads with
+:func:`~lightning_drafts.eagle3.reload.load_eagle3`.
 
-* Weights: as the dense draft, except the attention: ``midlayer.self_attn.q_a_proj.weight``
-  ``[q_lora_rank, 2H]``, ``q_a_layernorm.weight``, ``q_b_proj.weight`` ``[n (nope + rope), q_lora_rank]``
-  (or a single ``q_proj.weight`` ``[n (nope + rope), 2H]`` when ``q_lora_rank`` is null),
-  ``kv_a_proj_with_mqa.weight`` ``[kv_lora_rank + rope, 2H]`` (latent, then the one shared rope key),
-  ``kv_a_layernorm.weight``, ``kv_b_proj.weight`` ``[n (nope + v_head_dim), kv_lora_rank]`` (per head:
-  nope key, then value), ``o_proj.weight`` ``[H, n v_head_dim]``; the MLP is dense SwiGLU.
-* ``config.json``: ``model_type: deepseek_v3``, ``num_hidden_layers: 1``, ``hidden_size``,
+* Weights: as the dense draft (vLLM folds ``gate_proj`` / ``up_proj`` into ``gate_up_proj``), except the
+  attention: ``midlayer.self_attn.q_a_proj.weight`` ``[q_lora_rank, 2H]``, ``q_a_layernorm.weight``,
+  ``q_b_proj.weight`` ``[n (nope + rope), q_lora_rank]`` (or a single ``q_proj.weight``
+  ``[n (nope + rope), 2H]`` when ``q_lora_rank`` is null), ``kv_a_proj_with_mqa.weight``
+  ``[kv_lora_rank + rope, 2H]`` (latent, then the one shared rope key; vLLM stacks it under ``q_a_proj``
+  into ``fused_qkv_a_proj``), ``kv_a_layernorm.weight``, ``kv_b_proj.weight``
+  ``[n (nope + v_head_dim), kv_lora_rank]`` (per head: nope key, then value), ``o_proj.weight``
+  ``[H, n v_head_dim]``; the MLP is dense SwiGLU. Per head the query is ``[nope, rope]`` and the rope
+  dims rotate as adjacent pairs ``(2i, 2i + 1)``, vLLM's ``is_neox_style=False``.
+* ``config.json``: ``model_type: deepseek_v2`` (vLLM turns any ``deepseek_v3`` draft config into its MTP
+  model; the V2 config has the same MLA fields), ``num_hidden_layers: 1``, ``hidden_size``,
   ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
   ``v_head_dim``, ``intermediate_size`` (the dense FFN width), ``hidden_act: silu``, ``rms_norm_eps``,
-  ``max_position_embeddings``, ``rope_theta``, ``rope_scaling`` (YaRN ramp applied when complete; no
-  ``mscale`` on the softmax scale), ``rope_interleave: true`` (pairs ``2i, 2i+1``), ``vocab_size``,
-  ``draft_vocab_size``, ``target_hidden_size``, and the same layer-id fields as the dense draft.
+  ``max_position_embeddings``, ``rope_theta``, ``rope_scaling`` (the rotation the draft computes, in vLLM's
+  terms: ``null`` for plain RoPE, or the YaRN ramp with ``mscale`` and ``mscale_all_dim`` 0, since the draft
+  scales neither cos / sin nor the softmax; see
+  :func:`~lightning_drafts.eagle3.rope.vllm_deepseek_rope_scaling`), ``rope_interleave: true``,
+  ``vocab_size``, ``draft_vocab_size``, ``target_hidden_size``, and the same layer-id fields as the dense
+  draft. vLLM 0.32 cannot load a draft whose ``q_lora_rank`` is null (its loader folds
+  ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``, which exists only with ``q_lora_rank``): such an export
+  warns, and serves with ``lightning-drafts evaluate`` only.
 
 Both configs carry a ``lightning_drafts`` section (``draft_class``, ``target_layer_ids``, ``ttt_length``,
 ``loss_decay_gamma``, ``draft_vocab_size``, ``target`` when it is a hub id / path / config dict,
@@ -44,12 +53,19 @@ it lands in the output directory.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_drafts.eagle3.export_check import validate_eagle3_export
-from lightning_drafts.eagle3.layout import DENSE_ARCHITECTURE, MLA_ARCHITECTURE, layer_id_fields
+from lightning_drafts.eagle3.layout import (
+    DENSE_ARCHITECTURE,
+    MLA_ARCHITECTURE,
+    MLA_MODEL_TYPE,
+    layer_id_fields,
+)
 from lightning_drafts.eagle3.mla_draft import MLAEagle3Draft
+from lightning_drafts.eagle3.rope import vllm_deepseek_rope_scaling
 from lightning_drafts.serving.export_files import write_export
 
 if TYPE_CHECKING:
@@ -75,10 +91,11 @@ def serving_config(module: Eagle3Base) -> dict[str, Any]:
     if isinstance(module.draft, MLAEagle3Draft):
         return {
             "architectures": [MLA_ARCHITECTURE],
-            "model_type": "deepseek_v3",
+            "model_type": MLA_MODEL_TYPE,
             "hidden_act": "silu",
             "rope_interleave": True,
             **common,
+            "rope_scaling": vllm_deepseek_rope_scaling(rope_scaling, draft_config["max_position_embeddings"]),
         }
     return {"architectures": [DENSE_ARCHITECTURE], "model_type": "llama", **common}
 
@@ -90,6 +107,13 @@ def export_eagle3(module: Eagle3Base, output_dir: str | Path) -> Path:
         raise ValueError(
             "the draft vocabulary mapping is not built, so d2t would map draft ids to the first V_d target ids; "
             "build it (build_vocab_mapping / token_frequencies / fit) before exporting"
+        )
+    if isinstance(module.draft, MLAEagle3Draft) and module.draft.config.q_lora_rank is None:
+        warnings.warn(
+            "this MLA draft has no q_lora_rank (its target's is null): vLLM 0.32's Eagle3DeepseekV2ForCausalLM "
+            "cannot load it (its loader folds kv_a_proj_with_mqa into fused_qkv_a_proj, which it builds only with "
+            "q_lora_rank); `lightning-drafts evaluate` serves the export, vLLM refuses it",
+            stacklevel=2,
         )
     return write_export(
         output_dir,

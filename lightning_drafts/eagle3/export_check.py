@@ -4,7 +4,8 @@
 evaluate``. It checks what vLLM / SGLang read, in the form they read it:
 
 * ``config.json``: the architecture, the shape fields the engine builds the draft from, the RoPE settings
-  (``rope_theta``, ``rope_scaling``; ``rope_interleave`` for the MLA layout), and the captured layers in
+  (``rope_theta``, ``rope_scaling``; for the MLA layout ``rope_interleave``, ``model_type``, and a
+  ``rope_scaling`` under which vLLM rotates as the draft does), and the captured layers in
   both engine conventions (vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` = layer *inputs*,
   SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` = layer *outputs*), consistent with each
   other and with the ids and convention the exporter recorded under ``lightning_drafts``;
@@ -16,6 +17,7 @@ evaluate``. It checks what vLLM / SGLang read, in the form they read it:
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,22 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 
-from lightning_drafts.core.checks import is_number
+from lightning_drafts.core.checks import is_int, is_number
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
-from lightning_drafts.eagle3.layout import DENSE_ARCHITECTURE, INIT_CHECKED_TENSORS, MLA_ARCHITECTURE
+from lightning_drafts.eagle3.layout import (
+    DENSE_ARCHITECTURE,
+    INIT_CHECKED_TENSORS,
+    MLA_ARCHITECTURE,
+    MLA_MODEL_TYPE,
+)
 from lightning_drafts.eagle3.llama_draft import LlamaDraftConfig, LlamaEagle3Draft
 from lightning_drafts.eagle3.mla_draft import MLADraftConfig, MLAEagle3Draft
-from lightning_drafts.eagle3.rope import FrequencyTable, default_inverse_frequencies, llama_rope_table
+from lightning_drafts.eagle3.rope import (
+    FrequencyTable,
+    default_inverse_frequencies,
+    llama_rope_table,
+    vllm_deepseek_rope_scaling,
+)
 from lightning_drafts.eagle3.rules import TARGET_LAYER_IDS
 from lightning_drafts.serving.export_files import (
     DefectList,
@@ -157,6 +169,12 @@ def _check_shape_fields(config: dict[str, Any], architecture: str, defects: Defe
             f"is {config.get('num_hidden_layers')!r}; an EAGLE-3 draft has exactly one layer and engines build "
             "as many as this says",
         )
+    if architecture == MLA_ARCHITECTURE and config.get("model_type") != MLA_MODEL_TYPE:
+        defects.add(
+            "model_type",
+            f"is {config.get('model_type')!r}; write {MLA_MODEL_TYPE!r}: vLLM builds its DeepSeek MTP model, not "
+            f"{MLA_ARCHITECTURE}, for any deepseek_v3 draft config",
+        )
     if config.get("tie_word_embeddings") is not False:
         defects.add(
             "tie_word_embeddings",
@@ -178,11 +196,25 @@ def _check_rope(config: dict[str, Any], architecture: str, defects: DefectList) 
     elif architecture == DENSE_ARCHITECTURE and isinstance(config["rope_scaling"], dict):
         if "rope_type" not in config["rope_scaling"]:
             defects.add("rope_scaling.rope_type", "missing; engines cannot tell which scaling to apply")
-    if architecture == MLA_ARCHITECTURE and config.get("rope_interleave") is not True:
+    if architecture == MLA_ARCHITECTURE:
+        _check_mla_rope(config, defects)
+
+
+def _check_mla_rope(config: dict[str, Any], defects: DefectList) -> None:
+    if config.get("rope_interleave") is not True:
         defects.add(
             "rope_interleave",
             f"is {config.get('rope_interleave')!r}; the MLA draft rotates adjacent pairs (2i, 2i+1): write true",
         )
+    scaling, max_positions = config.get("rope_scaling"), config.get("max_position_embeddings")
+    if (scaling is None or isinstance(scaling, dict)) and is_int(max_positions):
+        served = vllm_deepseek_rope_scaling(scaling, max_positions)
+        if scaling != served:
+            defects.add(
+                "rope_scaling",
+                f"is {scaling!r}, under which vLLM's DeepSeek attention would rotate or scale differently from "
+                f"the draft (YaRN ramp whenever set, mscale / mscale_all_dim magnitudes); write {json.dumps(served)}",
+            )
 
 
 def _check_layer_ids(config: dict[str, Any], defects: DefectList, target: FrozenTarget | None) -> list[int]:

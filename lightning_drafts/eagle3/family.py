@@ -16,4 +16,5 @@ FAMILY = DraftFamily(
     load_speculator=load_speculator,
     load_training_module=load_training_module,
     default_num_steps=default_num_steps,
+    vllm_methods={DENSE_ARCHITECTURE: "eagle3", MLA_ARCHITECTURE: "eagle3"},
 )

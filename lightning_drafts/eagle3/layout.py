@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 DENSE_ARCHITECTURE = "LlamaForCausalLMEagle3"
-MLA_ARCHITECTURE = "LightningDraftsMLAEagle3"
+# vLLM's DeepSeek MLA EAGLE-3 draft (model_executor/models/deepseek_eagle3.py).
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+# Not "deepseek_v3": vLLM rewrites every deepseek_v3 draft config into its DeepSeek MTP model
+# (SpeculativeConfig.hf_config_override), so the EAGLE-3 class would never be built. The DeepSeek-V2 config
+# names the same MLA fields.
+MLA_MODEL_TYPE = "deepseek_v2"
 # The draft's tensors whose random initialisation is fingerprinted at construction, so the validator can
 # prove the exported ones were trained.
 INIT_CHECKED_TENSORS = ("lm_head.weight",)

@@ -328,8 +328,8 @@ class Eagle3Module(Eagle3Base):
 class MLAEagle3Module(Eagle3Base):
     """EAGLE-3 with the DeepSeek-V3 MLA draft (eagle3.md §7), configured from a DeepSeek-V3 target.
 
-    Exports a documented layout that reloads into this class (no serving engine loads an MLA EAGLE-3
-    draft today). See :class:`Eagle3Base` for arguments.
+    Exports vLLM's ``Eagle3DeepseekV2ForCausalLM`` layout, which also reloads into this class. See
+    :class:`Eagle3Base` for arguments.
     """
 
     @staticmethod

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+YARN_RAMP_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+
 
 class FrequencyTable(nn.Module):
     """Inverse RoPE frequencies that stay fp32 whatever dtype the draft is cast to.
@@ -92,11 +94,37 @@ def deepseek_rope_table(
     one. No ``mscale`` is applied: the draft learns around it, as in the reference.
     """
     inv_freq = default_inverse_frequencies(rope_dim, theta)
-    scaling = rope_scaling or {}
-    keys = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
-    if all(scaling.get(k) is not None for k in keys) and max_position_embeddings > scaling[keys[3]]:
-        inv_freq = _yarn_corrected(inv_freq, rope_dim, theta, **{k: scaling[k] for k in keys})
+    ramp = yarn_ramp(rope_scaling, max_position_embeddings)
+    if ramp is not None:
+        inv_freq = _yarn_corrected(inv_freq, rope_dim, theta, **ramp)
     return FrequencyTable(inv_freq)
+
+
+def yarn_ramp(rope_scaling: dict | None, max_position_embeddings: int) -> dict[str, Any] | None:
+    """The settings of the YaRN ramp :func:`deepseek_rope_table` applies (``factor``, ``beta_fast``,
+    ``beta_slow``, ``original_max_position_embeddings``), or ``None`` where it rotates with plain RoPE."""
+    scaling = rope_scaling or {}
+    if any(scaling.get(k) is None for k in YARN_RAMP_KEYS):
+        return None
+    if max_position_embeddings <= scaling["original_max_position_embeddings"]:
+        return None
+    return {k: scaling[k] for k in YARN_RAMP_KEYS}
+
+
+def vllm_deepseek_rope_scaling(rope_scaling: dict | None, max_position_embeddings: int) -> dict | None:
+    """The ``rope_scaling`` under which vLLM's DeepSeek attention rotates exactly as :func:`deepseek_rope_table`.
+
+    vLLM applies the YaRN ramp whenever ``rope_scaling`` is set (whatever the context length), multiplies
+    cos / sin by ``mscale(mscale) / mscale(mscale_all_dim)`` and the softmax scale by
+    ``mscale(mscale_all_dim)²``. The draft applies neither magnitude (it learns around them, eagle3.md
+    §7.2), so a target's ``mscale: 1`` copied verbatim would sharpen every served attention row (about 1.9x
+    for DeepSeek-V3's factor 40). Hence ``null`` where the draft uses plain RoPE, else the ramp's settings
+    with ``mscale`` and ``mscale_all_dim`` 0, for which both of vLLM's magnitudes are exactly 1.
+    """
+    ramp = yarn_ramp(rope_scaling, max_position_embeddings)
+    if ramp is None:
+        return None
+    return {"rope_type": "yarn", **ramp, "mscale": 0.0, "mscale_all_dim": 0.0}
 
 
 def default_inverse_frequencies(dim: int, theta: float) -> Tensor:

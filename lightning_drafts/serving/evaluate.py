@@ -5,7 +5,9 @@ Training metrics can look excellent while the exported draft accepts about one t
 what serving would see: it validates the export, loads it through its family's loader (the files an
 engine reads, not the in-memory module), drafts with it (:mod:`lightning_drafts.serving.decode`),
 verifies with the frozen target, and reports the real acceptance next to the training-time estimate of
-the same checkpoint on the same prompts (:mod:`lightning_drafts.serving.report`).
+the same checkpoint on the same prompts (:mod:`lightning_drafts.serving.report`). With ``engine="vllm"`` a
+real vLLM engine drafts and verifies instead (:mod:`lightning_drafts.serving.vllm_evaluate`), and the same
+report is built from its rounds.
 
 :func:`lightning_drafts.workflows.evaluate.evaluate_export` finds the family of an export by itself.
 """
@@ -23,8 +25,12 @@ from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.decode import as_prompt, greedy_generate, speculative_generate
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
 from lightning_drafts.serving.family import DraftFamily
+from lightning_drafts.serving.progress import map_with_progress
 from lightning_drafts.serving.report import EvaluationReport, served_acceptance, training_estimate
+from lightning_drafts.serving.vllm_evaluate import serve_with_vllm
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
+
+ENGINES = ("builtin", "vllm")
 
 
 def evaluate_family_export(
@@ -41,6 +47,9 @@ def evaluate_family_export(
     target_attn_backend: str = "sdpa",
     target_dtype: str | None = None,
     device: str | torch.device | None = None,
+    engine: str = "builtin",
+    vllm_python: str | Path | None = None,
+    progress: bool = False,
 ) -> EvaluationReport:
     """Validate, load and serve ``family``'s export in ``export_dir`` on ``prompts``; report served vs
     training acceptance.
@@ -55,7 +64,15 @@ def evaluate_family_export(
         check_lossless: also run the target's plain greedy decode and compare token for token.
         target_attn_backend: for a target built here; every forward holds one sequence, so plain causal
             SDPA serves on CPU and GPU alike (no packing kernel, no compilation).
+        engine: ``"builtin"`` (:mod:`lightning_drafts.serving.decode`) or ``"vllm"``: a real vLLM engine in
+            its own environment (:mod:`lightning_drafts.serving.vllm_evaluate`) serves the export; the
+            lossless check and the training estimate still use the target built here.
+        vllm_python: the vLLM environment's python (default: ``$LIGHTNING_DRAFTS_VLLM_PYTHON``, else
+            ``.venv-vllm``).
+        progress: show prompts done and tokens/s on stderr while decoding (only on a terminal).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is unknown; choose one of {ENGINES}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not prompts:
@@ -69,13 +86,41 @@ def evaluate_family_export(
     stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
     speculator = family.load_speculator(directory, frozen, steps)
     prompt_tensors = [as_prompt(p, frozen) for p in prompts]
-    generations = [speculative_generate(frozen, speculator, p, max_new_tokens, stop) for p in prompt_tensors]
+    engine_info: dict[str, Any] | None = None
+    if engine == "vllm":
+        served = serve_with_vllm(
+            family,
+            directory,
+            summary.architecture,
+            target,
+            frozen,
+            prompt_tensors,
+            steps,
+            max_new_tokens,
+            stop,
+            dtype=target_dtype,
+            python=vllm_python,
+            progress=progress,
+        )
+        generations, engine_info = served.as_generations(), served.engine_info()
+    else:
+        generations = map_with_progress(
+            lambda p: speculative_generate(frozen, speculator, p, max_new_tokens, stop),
+            prompt_tensors,
+            "speculative decoding",
+            lambda g: len(g.tokens),
+            enabled=progress,
+        )
     lossless = None
     if check_lossless:
-        lossless = all(
-            g.tokens == greedy_generate(frozen, p, max_new_tokens, stop)
-            for p, g in zip(prompt_tensors, generations, strict=True)
+        reference = map_with_progress(
+            lambda p: greedy_generate(frozen, p, max_new_tokens, stop),
+            prompt_tensors,
+            "target greedy decode (lossless check)",
+            len,
+            enabled=progress,
         )
+        lossless = all(g.tokens == r for g, r in zip(generations, reference, strict=True))
     training = None
     if with_training_estimate:
         module = family.load_training_module(directory, frozen, steps)
@@ -97,6 +142,8 @@ def evaluate_family_export(
         export=summary,
         prompts=[p.tolist() for p in prompt_tensors],
         generations=[g.tokens for g in generations],
+        engine=engine,
+        engine_info=engine_info,
     )
 
 

@@ -8,8 +8,8 @@ names a family.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,6 +79,8 @@ class DraftFamily:
         default_num_steps: ``config.json -> int``, the proposal length when none is asked for.
         layouts: the export layouts the family's ``module.export(dir, layout=...)`` can write (empty: one
             layout, and ``module.export(dir)`` takes none).
+        vllm_methods: ``architectures[0]`` -> vLLM's speculative ``method`` serving that layout
+            (``evaluate --engine vllm``); an architecture vLLM does not load is absent.
     """
 
     name: str
@@ -89,6 +91,17 @@ class DraftFamily:
     load_training_module: Callable[[Path, FrozenTarget, int], DraftModule | None]
     default_num_steps: Callable[[dict[str, Any]], int]
     layouts: tuple[str, ...] = ()
+    vllm_methods: Mapping[str, str] = field(default_factory=dict)
+
+    def vllm_method(self, architecture: str) -> str:
+        """vLLM's speculative method for an export of ``architecture``; refused when vLLM loads none."""
+        if architecture not in self.vllm_methods:
+            served = sorted(self.vllm_methods) or "none"
+            raise ValueError(
+                f"vLLM loads no {self.name} draft of architecture {architecture!r} (the {self.name} architectures "
+                f"vLLM serves: {served}); evaluate it with the built-in engine (--engine builtin)"
+            )
+        return self.vllm_methods[architecture]
 
     def export(self, module: DraftModule, output_dir: str | Path, layout: str | None = None) -> Path:
         """Write ``module``'s serving layout (``module.export``, which validates what it writes), refusing

@@ -117,7 +117,11 @@ def _supervised_rows(documents: Sequence[tuple[Tensor, Tensor]]) -> dict[str, Te
 
 @dataclass(frozen=True)
 class EvaluationReport:
-    """Served acceptance beside the training-time estimate for one export on one prompt set."""
+    """Served acceptance beside the training-time estimate for one export on one prompt set.
+
+    ``engine`` is what served it: ``"builtin"`` (the project's decode) or ``"vllm"``, whose version, own
+    counters (``rounds``, ``accepted_per_position``) and timings are in ``engine_info``.
+    """
 
     export_dir: str
     architecture: str
@@ -132,6 +136,8 @@ class EvaluationReport:
     export: ExportSummary
     prompts: list[list[int]]
     generations: list[list[int]]
+    engine: str = "builtin"
+    engine_info: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,7 +153,8 @@ class EvaluationReport:
         training = self.training
         lines = [
             f"{self.export_dir} ({self.architecture}): {self.num_prompts} prompts, {self.generated_tokens} tokens, "
-            f"{self.rounds} verify rounds, num_steps={self.num_steps}, layers {list(self.export.target_layer_ids)}",
+            f"{self.rounds} verify rounds, num_steps={self.num_steps}, layers {list(self.export.target_layer_ids)}, "
+            f"served by {self._engine_name()}",
             f"{'':22}{'served':>10}{'tau_sim (training)':>22}",
             f"{'accept_len':22}{_number(self.served.accept_len):>10}"
             f"{_number(training.accept_len if training else None):>22}",
@@ -172,6 +179,11 @@ class EvaluationReport:
             )
             lines.append(f"lossless: {verdict}")
         return "\n".join(lines)
+
+    def _engine_name(self) -> str:
+        if self.engine == "vllm":
+            return f"vLLM {(self.engine_info or {}).get('vllm_version', '?')}"
+        return "the built-in decode"
 
 
 def _number(value: float | None) -> str:

@@ -54,3 +54,16 @@ def check_mask_token_id(mask_token_id: Any, target: FrozenTarget, pad_token_id: 
         )
     special = special_token_names(target, pad_token_id)
     return MASK_TOKEN_ID.check(mask_token_id, vocab_size=target.vocab_size, special=special)
+
+
+def check_mask_token_against_data(mask_token_id: int, datamodule: Any) -> None:
+    """Refuse a mask id the tokenizer or the documents use (checked once the data is known, at fit start):
+    the draft would learn that a masked slot and a real token are the same input. A data module without
+    ``reserved_id_problem`` (a user's own) is not checked."""
+    problem = getattr(datamodule, "reserved_id_problem", None)
+    reason = problem(mask_token_id) if problem is not None else None
+    if reason is not None:
+        raise ValueError(
+            f"mask_token_id = {mask_token_id} is {reason}; the mask must be a reserved id that never occurs "
+            "in text (e.g. 151669 for Qwen3, 3 '<|mask|>' for the shipped tiny targets)"
+        )

@@ -109,6 +109,13 @@ class DraftModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._check_target_dtype()
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            self.check_data(datamodule)
+
+    def check_data(self, datamodule: Any) -> None:
+        """A family's checks of its hyperparameters against the data it is about to train on (the block
+        drafts' mask token); the data module is set up by then. Nothing to check by default."""
 
     def on_validation_start(self) -> None:
         self._check_target_dtype()

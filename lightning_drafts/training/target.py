@@ -19,6 +19,7 @@ from lightning_drafts.attention.backends import (
 )
 from lightning_drafts.core.batch import PackedBatch, varlen_layout
 from lightning_drafts.core.checks import is_int
+from lightning_drafts.shipped import resolve_shipped
 
 TargetSpec = str | dict | PreTrainedModel
 
@@ -41,7 +42,8 @@ class TargetOutput:
 def build_causal_lm(
     spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0
 ) -> PreTrainedModel:
-    """A causal LM from a hub id / local path, a config dict (random weights, seeded), or an instance."""
+    """A causal LM from a hub id / local path / ``shipped:<name>``, a config dict (random weights, seeded),
+    or an instance."""
     if isinstance(spec, PreTrainedModel):
         return spec
     if isinstance(spec, dict):
@@ -57,7 +59,7 @@ def build_causal_lm(
             model = AutoModelForCausalLM.from_config(config, dtype=as_dtype(dtype))
         return model
     if isinstance(spec, str):
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=as_dtype(dtype) or "auto")
+        return AutoModelForCausalLM.from_pretrained(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
     raise ValueError(
         f"target must be a hub id / local path (str), a config dict or a transformers PreTrainedModel, "
         f"got {type(spec).__name__}"

@@ -18,5 +18,5 @@ def evaluate_export(
 ) -> EvaluationReport:
     """Serve the export in ``export_dir`` on ``prompts`` through its registered family; ``options`` are
     those of :func:`~lightning_drafts.serving.evaluate.evaluate_family_export` (target, max_new_tokens,
-    num_steps, stop_token_ids, with_training_estimate, check_lossless, ...)."""
+    num_steps, stop_token_ids, with_training_estimate, check_lossless, engine, progress, ...)."""
     return evaluate_family_export(REGISTRY.for_export(export_dir), export_dir, prompts, **options)

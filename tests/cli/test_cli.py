@@ -116,3 +116,16 @@ def test_a_config_with_an_old_top_level_class_path_names_the_new_one(old, where,
         run_cli(["fit", f"--config={path}", "--print_config"])
     with pytest.raises(ValueError, match=f"write 'lightning_drafts.{old}'"):
         run_cli(["fit", f"--config={QUICKSTARTS[0]}", f"--data={old}"])
+
+
+@pytest.mark.parametrize(
+    ("mask_token_id", "match"),
+    [
+        (500, r"mask_token_id = 500 is token '.*', which occurs [\d,]+ times in the data"),
+        (2, r"mask_token_id = 2.*eos"),
+    ],
+)
+def test_a_mask_token_the_data_uses_is_refused_at_fit_start(mask_token_id, match, tmp_path):
+    dflash = ROOT / "configs" / "quickstart" / "dflash.yaml"
+    with pytest.raises(ValueError, match=match):
+        run_cli([*short_fit(dflash, tmp_path), f"--model.init_args.mask_token_id={mask_token_id}"])

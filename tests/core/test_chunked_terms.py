@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_drafts.core.chunked_terms import chunk_bounds, over_chunks
+from tests.builders import assert_no_tensor_outlives
 
 
 @pytest.mark.parametrize(("blocks", "size"), [(7, 3), (6, 3), (5, 1), (4, 9), (1, 2)])
@@ -113,6 +114,33 @@ def test_saved_tensor_hooks_see_the_stored_gradients_not_the_chunks_logits():
     assert not [shape for shape in shapes if shape[-1:] == (11,) and len(shape) == 3]  # no chunk logits
     (outputs[0] + outputs[1]).backward()
     assert features.grad is not None and terms.head.grad is not None
+
+
+@pytest.mark.parametrize("differentiable", [1, 2])
+def test_no_tensor_of_a_chunk_outlives_the_call(differentiable: int):
+    """A chunk's graph goes with the call, also its nodes that save their own output (logsumexp, exp)
+    where the chunk's gradients do not free them: an output differentiated with the graph retained
+    (another one follows), or a value no gradient is taken of (DFlash's gold-token probability)."""
+    generator = torch.Generator().manual_seed(0)
+    terms = Terms(generator)
+    features = torch.randn(7, 4, 6, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 11, (7, 4), generator=generator)
+    per_block = (features, torch.zeros(7, 6, 11), labels)
+
+    def with_an_undifferentiated_value(*chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        first, second, *rest = terms(*chunk)
+        sums = (first + second,) if differentiable == 1 else (first, second)
+        return (*sums, torch.exp(-first).detach(), *rest)
+
+    def step() -> None:
+        outputs = over_chunks(
+            with_an_undifferentiated_value, 2, per_block, terms.parameters(), differentiable
+        )
+        torch.stack(outputs[:differentiable]).sum().backward()
+        features.grad = None
+        terms.zero_grad(set_to_none=True)
+
+    assert_no_tensor_outlives(step)
 
 
 def test_bf16_gradients_keep_their_dtype_and_match_fp32():

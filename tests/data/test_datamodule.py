@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 
 import datasets
@@ -424,3 +425,23 @@ def test_buffer_packing_efficiency_on_the_embedded_corpus(tokenizer, cache_dir):
     plan = plan_epoch(documents.lengths, mode="buffer", max_tokens=2048, batch_size=8, seed=0, epoch=0)
     rows = len(plan.row_bounds) - 1
     assert documents.num_tokens / (rows * 2048) >= 0.99
+
+
+def test_reserved_id_problem_names_special_tokens_and_counts_occurrences():
+    data = PackedChatDataModule(
+        tokenizer="shipped:tiny-qwen3", max_tokens=128, max_documents=50, val_fraction=0.1
+    )
+    data.setup("fit")
+    assert data.reserved_id_problem(2) == "the tokenizer's eos token '<|im_end|>'"
+    assert data.reserved_id_problem(0) == "the tokenizer's pad token '<|endoftext|>'"
+    assert data.reserved_id_problem(3) is None  # <|mask|>: text never produces it
+    start = data.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    expected = sum(
+        int((data_split.tokens(i)[0] == start).sum())
+        for data_split in (data.train_documents, data.val_documents)
+        for i in range(len(data_split))
+    )
+    # Spans are truncated views of the token array, which still holds every token.
+    problem = data.reserved_id_problem(start)
+    counted = re.fullmatch(r"token '<\|im_start\|>', which occurs ([\d,]+) times in the data", problem)
+    assert counted and int(counted.group(1).replace(",", "")) >= expected > 0

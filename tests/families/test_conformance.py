@@ -4,6 +4,7 @@ the probe family, which the library does not ship), on every tiny target kind it
 * packed == padded: the same documents packed into rows or one per padded row give the same loss, every
   gradient, the same chains and acceptance statistics, with the same anchors;
 * document isolation: changing one document leaves every other document's outputs as they were;
+* no leak: repeated loss + backward steps leave no tensor behind (host memory stays flat over a run);
 * fail-loud: every batch the contract refuses raises ``ValueError`` naming the key, whatever the family;
   anchors are checked (or refused by a family that takes none); an unknown export layout is refused;
 * export -> validate -> reload: the registry finds the family of the module and of the export, the
@@ -41,6 +42,7 @@ from lightning_drafts.workflows.export import export_checkpoint, validate_export
 from tests.block_draft_cases import ROWS, documents, twins, with_prompts
 from tests.builders import (
     TINY_TARGETS,
+    assert_no_tensor_outlives,
     assert_target_greedy,
     packed_row,
     padded_rows,
@@ -161,6 +163,16 @@ def test_packed_equals_padded_loss_gradients_and_statistics(family, case: Family
     for name, (numerator, denominator) in a.sums.items():
         case.metrics.assert_close(numerator, b.sums[name][0], name)
         assert float(denominator) == pytest.approx(float(b.sums[name][1])), name
+
+
+@pytest.mark.parametrize(("family", "case"), params(), indirect=["family"])
+def test_training_steps_leave_no_tensor_behind(family, case: FamilyCase):
+    """Repeated loss + backward steps keep the same live tensors: one kept per step (by a cache, a list,
+    or a graph held alive through a reference cycle) grows host memory without bound over a run."""
+    module = case.build(TINY_TARGETS[case.targets[0]])
+    batch, _ = several_rows()
+    inputs = case.loss_inputs(module, batch, 0)
+    assert_no_tensor_outlives(lambda: run(module, batch, inputs))
 
 
 @pytest.mark.parametrize(("family", "case", "kind"), params("kind"), indirect=["family"])

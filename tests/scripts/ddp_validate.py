@@ -37,3 +37,7 @@ if __name__ == "__main__":
     if result:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
+    # Under load a rank once aborted at exit ("terminate called without an active exception", rc -6):
+    # gloo's threads outlived the process group. Tear it down before the interpreter exits.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

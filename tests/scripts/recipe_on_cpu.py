@@ -4,8 +4,9 @@ Usage: recipe_on_cpu.py OUT_DIR RECIPE [RECIPE ...]   (each runs in OUT_DIR/<rec
 
 Kept from the recipe: the strategy (FSDP2 ``ModelParallelStrategy``), ``bf16-true``, the draft's
 hyperparameters, the callbacks and checkpoint policy. Replaced: the target and the size-bound fields
-that follow it (from the quickstart config of the same draft: a tiny random target, its mask id, layer
-ids and draft vocabulary), the data (the embedded corpus), the accelerator and the run length.
+that follow it (from the quickstart config of the same draft: a shipped tiny target, its mask id, layer
+ids and draft vocabulary), the data (the embedded corpus, with the quickstart's tokenizer), the
+accelerator and the run length.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ def quickstart_of(model_class: str) -> dict:
 def shrunk(recipe: Path, out: Path) -> dict:
     config = yaml.safe_load(recipe.read_text())
     model = config["model"]["init_args"]
-    quick = quickstart_of(config["model"]["class_path"])["model"]["init_args"]
+    quickstart = quickstart_of(config["model"]["class_path"])
+    quick = quickstart["model"]["init_args"]
     for key in SIZE_BOUND:
         model.pop(key, None)
         if key in quick:
             model[key] = quick[key]
     config["data"]["init_args"] = {
+        "tokenizer": quickstart["data"]["init_args"].get("tokenizer"),
         "max_tokens": 256,
         "batch_size": 2,
         "val_fraction": 0.1,

@@ -230,6 +230,8 @@ def test_default_target_layer_spread():
         ({"logits_chunk_blocks": 0}, "logits_chunk_blocks = 0"),
         ({"target_layer_ids": [1, 8]}, r"offending: \[8\]"),
         ({"target_layer_ids": []}, "non-empty"),
+        ({"target_layer_ids": [5, 1, 3]}, r"\[5, 1, 3\]; it must be strictly increasing \(\[1, 3, 5\]\)"),
+        ({"target_layer_ids": [1, 1]}, r"strictly increasing \(\[1\]\)"),
         ({"draft_overrides": {"hidden_size": 64}}, "not overridable"),
         ({"draft_overrides": {"num_key_value_heads": 3}}, "not a multiple"),
     ],

@@ -52,7 +52,11 @@ def _shift_layer_ids(config: dict) -> None:
 
 
 def _one_more_layer(config: dict) -> None:
-    config["dflash_config"]["target_layer_ids"] = [*config["dflash_config"]["target_layer_ids"], 0]
+    ids = config["dflash_config"]["target_layer_ids"]
+    # Still strictly increasing, so only fc's width is wrong.
+    config["dflash_config"]["target_layer_ids"] = sorted(
+        [*ids, min(ids) - 1 if min(ids) > 0 else max(ids) + 1]
+    )
 
 
 def _set(section: str | None, **values) -> Callable[[dict], None]:

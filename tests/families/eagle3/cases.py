@@ -78,15 +78,22 @@ def perfect_module(module_class: type[Eagle3Base], name: str) -> Eagle3Base:
         token_frequencies=frequencies(),
         target_layer_ids=PERFECT_LAYERS,
     )
-    draft, hidden = module.draft, module.draft.fc.weight.shape[0]
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.norm.weight.copy_(target.model.norm.weight)
-        draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.selected_token_ids])
+    imitate_target(module, target)
     return module
+
+
+@torch.no_grad()
+def imitate_target(module: Eagle3Base, target: PreTrainedModel) -> None:
+    """Make ``module``'s draft read out the target (see :func:`perfect_module`): ``fc`` selects the third
+    captured chunk (the target's last layer when it is the last captured), ``norm`` and ``lm_head`` are the
+    target's final norm and LM-head rows of the draft vocabulary, and both residual branches are zeroed."""
+    draft, hidden = module.draft, module.draft.fc.weight.shape[0]
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
+    draft.midlayer.self_attn.o_proj.weight.zero_()
+    draft.midlayer.mlp.down_proj.weight.zero_()
+    draft.norm.weight.copy_(target.model.norm.weight)
+    draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.selected_token_ids])
 
 
 def perfect_prompts(module: Eagle3Base) -> list[Tensor]:

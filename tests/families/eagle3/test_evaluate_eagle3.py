@@ -17,6 +17,7 @@ from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.reload import load_eagle3_draft
+from lightning_drafts.eagle3.rope import default_inverse_frequencies
 from lightning_drafts.eagle3.speculate import load_speculator
 from lightning_drafts.eagle3.ttt import TTTCache
 from lightning_drafts.serving.family import VerifiedPrefix
@@ -118,14 +119,17 @@ def test_an_lm_head_still_at_its_initialisation_is_refused(tmp_path):
         module.export(tmp_path / "untrained")
 
 
-def test_the_mla_layout_needs_interleaved_rope_and_its_latent_ranks(tmp_path):
+def mla_export(directory: Path, target: dict = TINY_TARGETS["deepseek_v3"]) -> tuple[MLAEagle3Module, Path]:
+    """An MLA draft whose LM head has left its initialisation, and its export."""
     torch.manual_seed(0)
-    module = MLAEagle3Module(
-        TINY_TARGETS["deepseek_v3"], ttt_length=STEPS, draft_vocab_size=48, token_frequencies=frequencies()
-    )
+    module = MLAEagle3Module(target, ttt_length=STEPS, draft_vocab_size=48, token_frequencies=frequencies())
     with torch.no_grad():
         module.draft.lm_head.weight.mul_(1.5)
-    export = module.export(tmp_path / "draft")
+    return module, module.export(directory)
+
+
+def test_the_mla_layout_needs_interleaved_rope_and_its_latent_ranks(tmp_path):
+    module, export = mla_export(tmp_path / "draft")
 
     def break_config(config: dict) -> None:
         config["rope_interleave"] = False
@@ -134,6 +138,68 @@ def test_the_mla_layout_needs_interleaved_rope_and_its_latent_ranks(tmp_path):
     broken = rewrite_export(export, tmp_path / "broken", config_edit=break_config)
     with pytest.raises(ValueError, match="(?s)kv_lora_rank: missing.*rope_interleave"):
         validate_export(broken, module.target)
+
+
+# A YaRN scaling past the tiny target's short original context, with DeepSeek-V3's magnitudes.
+TINY_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+VLLM_BREAKING_MLA_CONFIGS = {
+    "deepseek_v3 model_type (vLLM builds its MTP model)": (
+        {"model_type": "deepseek_v3"},
+        "model_type: is 'deepseek_v3'; write 'deepseek_v2'",
+    ),
+    "the target's YaRN magnitudes copied": (
+        {"rope_scaling": TINY_YARN},
+        r"rope_scaling: is .*'mscale': 1.0.*write .*\"mscale\": 0.0, \"mscale_all_dim\": 0.0",
+    ),
+    "a YaRN ramp the draft does not apply": (
+        {
+            "rope_scaling": {
+                **TINY_YARN,
+                "original_max_position_embeddings": 4096,
+                "mscale": 0.0,
+                "mscale_all_dim": 0.0,
+            }
+        },
+        "rope_scaling: is .*; write null",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(VLLM_BREAKING_MLA_CONFIGS))
+def test_the_mla_layout_refuses_what_vllm_would_serve_differently(case, tmp_path):
+    module, export = mla_export(tmp_path / "draft")
+    fields, message = VLLM_BREAKING_MLA_CONFIGS[case]
+    broken = rewrite_export(export, tmp_path / "broken", config_edit=lambda config: config.update(fields))
+    with pytest.raises(ValueError, match=message):
+        validate_export(broken, module.target)
+
+
+def test_the_served_mla_draft_under_yarn_is_the_trained_one(tmp_path):
+    """A YaRN target's MLA draft exports the ramp without vLLM's magnitudes, and the draft built from that
+    config computes bit for bit what the trained draft computes, past the original context too."""
+    yarn = {**TINY_YARN, "rope_theta": 10000.0}
+    module, export = mla_export(tmp_path / "draft", {**TINY_TARGETS["deepseek_v3"], "rope_parameters": yarn})
+    draft, config = load_eagle3_draft(export)
+    ramp = {k: yarn[k] for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")}
+    assert config["rope_scaling"] == {"rope_type": "yarn", **ramp, "mscale": 0.0, "mscale_all_dim": 0.0}
+    assert torch.equal(draft.rope.inv_freq, module.draft.rope.inv_freq)
+    assert not torch.equal(draft.rope.inv_freq, default_inverse_frequencies(8, 10000.0))
+    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    hidden = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(9)[None] + 100
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        served = draft.step(ids, hidden, positions, TTTCache(), mask)
+        trained = module.draft.step(ids, hidden, positions, TTTCache(), mask)
+    torch.testing.assert_close(served, trained, rtol=0, atol=0)
 
 
 def test_the_served_draft_is_built_from_the_config_and_matches_the_trained_one(tmp_path):

@@ -11,7 +11,12 @@ from transformers import AutoConfig
 
 from lightning_drafts import MLAEagle3Module
 from lightning_drafts.eagle3.mla_draft import MLADraftConfig, build_mla_draft
-from lightning_drafts.eagle3.rope import deepseek_rope_table, default_inverse_frequencies, resolve_rope_theta
+from lightning_drafts.eagle3.rope import (
+    deepseek_rope_table,
+    default_inverse_frequencies,
+    resolve_rope_theta,
+    vllm_deepseek_rope_scaling,
+)
 from tests import eagle3_checks as checks
 from tests.builders import TINY_TARGETS, packed_row, random_docs
 
@@ -38,7 +43,10 @@ def test_loss_decreases_on_a_fixed_batch():
 def test_export_round_trips_into_mla_eagle3_module(tmp_path):
     exported = checks.check_export_round_trip(MLAEagle3Module, DEEPSEEK, tmp_path)
     config, weights = exported["config"], exported["weights"]
-    assert config["architectures"] == ["LightningDraftsMLAEagle3"] and config["model_type"] == "deepseek_v3"
+    # vLLM's DeepSeek MLA EAGLE-3 class; a deepseek_v3 model_type would make vLLM build its MTP model instead.
+    assert (
+        config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v2"
+    )
     for field in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         assert config[field] == DEEPSEEK[field]
     assert config["rope_interleave"] is True and config["hidden_act"] == "silu"
@@ -126,3 +134,37 @@ def test_yarn_correction_applies_only_past_the_original_context():
 def test_mla_config_rejects_a_target_without_mla_fields():
     with pytest.raises(ValueError, match="MLA fields"):
         MLADraftConfig.from_target(AutoConfig.for_model("llama"), vocab_size=96, draft_vocab_size=96)
+
+
+def test_the_served_rope_scaling_is_the_rotation_the_draft_computes():
+    """vLLM ramps whenever rope_scaling is set and scales by mscale / mscale_all_dim; the draft ramps only past
+    the original context and never scales, so the served field says exactly what the draft does."""
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 4096,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    served = vllm_deepseek_rope_scaling(yarn, 163840)
+    assert served == {**yarn, "mscale": 0.0, "mscale_all_dim": 0.0}
+    assert vllm_deepseek_rope_scaling(served, 163840) == served
+    assert vllm_deepseek_rope_scaling(yarn, 4096) is None  # the draft uses plain RoPE there
+    assert vllm_deepseek_rope_scaling({"rope_type": "linear", "factor": 2.0}, 163840) is None
+    assert vllm_deepseek_rope_scaling(None, 163840) is None
+    torch.testing.assert_close(
+        deepseek_rope_table(64, 10000.0, 163840, served).inv_freq,
+        deepseek_rope_table(64, 10000.0, 163840, yarn).inv_freq,
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_an_mla_draft_without_q_lora_warns_that_vllm_cannot_load_it(tmp_path):
+    module = checks.build(MLAEagle3Module, {**DEEPSEEK, "q_lora_rank": None})
+    with torch.no_grad():
+        module.draft.lm_head.weight.mul_(1.5)
+    with pytest.warns(UserWarning, match="vLLM 0.32's Eagle3DeepseekV2ForCausalLM cannot load it"):
+        module.export(tmp_path / "draft")

@@ -1,0 +1,148 @@
+"""Greedy (speculative) decoding of token-id prompts by a real vLLM engine, as a standalone script.
+
+It runs in vLLM's own Python environment, where this project is not installed, so it imports only vLLM,
+tqdm (which vLLM ships with) and the standard library, never ``lightning_drafts``. The project side is
+:mod:`lightning_drafts.serving.vllm_engine`, which writes the request, launches
+``python vllm_runner.py REQUEST.json RESULT.json`` and reads the result.
+
+Request (JSON object):
+    target: a directory (or hub id) vLLM loads as the target model.
+    draft: the exported draft directory, or null for the target's plain greedy decode.
+    method: vLLM's speculative method (``eagle3``, ``dflash``, ...); ignored without a draft.
+    num_speculative_tokens: tokens drafted per round.
+    prompts: lists of token ids.
+    max_new_tokens: tokens generated per prompt (at most).
+    ignore_eos: do not stop at the target's end-of-sequence token.
+    stop_token_ids: stop after any of these (the stop token is kept, as the built-in decode keeps it).
+    dtype: vLLM's ``dtype`` (default ``float32``).
+    progress: show vLLM's progress bar (on stdout).
+    max_model_len: optional; vLLM's context limit (default: the target config's).
+
+Result (JSON object): ``vllm_version``; ``generations`` (token ids per prompt); ``rounds`` and
+``accepted_per_position`` (vLLM's ``spec_decode_num_drafts`` and ``spec_decode_num_accepted_tokens_per_pos``
+counters); ``per_request`` (per prompt, the accepted and drafted count of every verify round, from vLLM's
+detailed per-request metrics); ``seconds`` (engine start, generation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+# Offline LLM(...) must not spawn an engine process that re-imports this script without a __main__ guard,
+# and the KV cache of a tiny model needs little memory; both are set here as well as by the caller so that
+# the script also runs by hand.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# stdout carries the progress bar only; vLLM's log (stdout by default) goes to stderr.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+REQUIRED = ("target", "prompts", "max_new_tokens")
+
+
+def _engine_arguments(request: dict[str, Any]) -> dict[str, Any]:
+    arguments: dict[str, Any] = {
+        "model": request["target"],
+        "dtype": request.get("dtype", "float32"),
+        "enforce_eager": True,
+        # Prompts are token ids and outputs are read as ids: no tokenizer is needed or loaded.
+        "skip_tokenizer_init": True,
+        "seed": 0,
+        # A prompt repeating an earlier one's prefix would reuse that request's cached KV (target and draft):
+        # every prompt is served from scratch, as the built-in decode serves it, so no result depends on order.
+        "enable_prefix_caching": False,
+        # The spec-decode counters (rounds, accepted per position) live in the engine's stat loggers.
+        "disable_log_stats": False,
+    }
+    if request.get("max_model_len") is not None:
+        arguments["max_model_len"] = int(request["max_model_len"])
+    if request.get("draft") is not None:
+        arguments["speculative_config"] = {
+            "method": request["method"],
+            "model": request["draft"],
+            "num_speculative_tokens": int(request["num_speculative_tokens"]),
+        }
+        # Per-request, per-round accepted / drafted counts ("detailed"): the report needs rounds per prompt.
+        arguments["per_request_spec_decode_metrics"] = "detailed"
+    return arguments
+
+
+def _counters(metrics: list[Any]) -> tuple[int, list[int]]:
+    rounds, per_position = 0, []
+    for metric in metrics:
+        if metric.name == "vllm:spec_decode_num_drafts":
+            rounds = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_position = [int(v) for v in metric.values]
+    return rounds, per_position
+
+
+def _per_request(output: Any) -> dict[str, list[int]]:
+    metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+    if metrics is None:
+        # A request that never reached a verify round (e.g. max_new_tokens = 1) reports nothing.
+        return {"accepted": [], "drafted": []}
+    return {"accepted": list(metrics.per_step_accepted), "drafted": list(metrics.per_step_drafted)}
+
+
+def _progress_bar(enabled: bool) -> Any:
+    """vLLM's prompt progress bar on stdout: the caller shows stdout, and keeps stderr (vLLM's log) for errors."""
+    if not enabled:
+        return False
+    from functools import partial
+
+    from tqdm import tqdm
+
+    return partial(tqdm, file=sys.stdout)
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    missing = [key for key in REQUIRED if key not in request]
+    if missing:
+        raise ValueError(f"the request lacks {missing}; it needs {list(REQUIRED)}")
+    if request.get("draft") is not None and not request.get("method"):
+        raise ValueError("a request with a draft needs its vLLM 'method' (eagle3, dflash, ...)")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(**_engine_arguments(request))
+    loaded = time.perf_counter()
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=int(request["max_new_tokens"]),
+        ignore_eos=bool(request.get("ignore_eos", False)),
+        stop_token_ids=[int(t) for t in request.get("stop_token_ids") or []],
+        detokenize=False,
+    )
+    prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in request["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=_progress_bar(bool(request.get("progress", False))))
+    generated = time.perf_counter()
+    rounds, per_position = _counters(llm.get_metrics()) if request.get("draft") else (0, [])
+    return {
+        "vllm_version": vllm.__version__,
+        "generations": [list(o.outputs[0].token_ids) for o in outputs],
+        "rounds": rounds,
+        "accepted_per_position": per_position,
+        "per_request": [_per_request(o) for o in outputs] if request.get("draft") else [],
+        "seconds": {"engine_start": loaded - started, "generate": generated - loaded},
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python vllm_runner.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as handle:
+        request = json.load(handle)
+    result = run(request)
+    with open(argv[1], "w") as handle:
+        json.dump(result, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
