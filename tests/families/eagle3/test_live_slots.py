@@ -46,6 +46,14 @@ def padded_batch() -> dict:
     return prompted(padded_rows(random_docs(LENGTHS, seed=21), 16), [(doc, 0) for doc in range(len(LENGTHS))])
 
 
+def padded_with_an_empty_row() -> dict:
+    """The padded rows plus a row of padding only (no real token, nothing supervised)."""
+    batch = padded_batch()
+    return {
+        key: torch.cat([value[:2], torch.zeros_like(value[:1]), value[2:]]) for key, value in batch.items()
+    }
+
+
 def row_without_live_slots() -> dict:
     """The packed rows plus a row of real tokens without any supervision: none of its slots is live."""
     batch = packed_batch()
@@ -77,6 +85,7 @@ BATCHES = {
     "packed": packed_batch,
     "padded": padded_batch,
     "row-without-live-slots": row_without_live_slots,
+    "padded-with-an-empty-row": padded_with_an_empty_row,
     "everything-supervised": everything_supervised,
     "supervision-ends-early": supervision_ends_early,
     "nothing-supervised": nothing_supervised,
@@ -112,6 +121,8 @@ def assert_same_output(a: DraftOutput, b: DraftOutput) -> None:
     assert a.metrics.keys() == b.metrics.keys() and a.sums.keys() == b.sums.keys()
     for name in a.metrics:
         torch.testing.assert_close(a.metrics[name], b.metrics[name], **TOLERANCE)
+    for name in a.sums:
+        torch.testing.assert_close(a.sums[name], b.sums[name], **TOLERANCE)
 
 
 # Every batch on the default objective and CPU kernel; the dense reference kernel and the LK objectives on
@@ -145,6 +156,21 @@ def test_live_slots_give_the_loss_gradients_and_statistics_of_every_slot(
         assert int(a.valid_tokens) == 0 and float(a.loss.detach()) == 0.0
     else:
         assert int(a.valid_tokens) > 0 and any(g.abs().sum() > 0 for g in grads_a.values())
+
+
+@pytest.mark.parametrize("module_class, family", FAMILIES, ids=IDS)
+def test_the_batches_drop_out_of_vocabulary_targets_and_prompt_slots(module_class, family):
+    """The cases the comparison is about are really there: supervised positions whose greedy teacher
+    token the 48-id draft vocabulary cannot predict (chain misses outside the loss), and slots that are
+    live at step 0 but not at the last step."""
+    live, _ = pair(module_class, family)
+    for name in ("packed", "padded", "row-without-live-slots", "padded-with-an-empty-row"):
+        packed = live.prepare_batch(BATCHES[name]())
+        teacher = live.teacher_signal(packed)
+        out_of_vocab = packed.loss_mask & ~teacher.in_draft_vocab
+        assert 0 < int(out_of_vocab.sum()) < int(packed.loss_mask.sum()), name
+        sets = live_slots(ttt_supervision(packed, teacher, STEPS).supervised)
+        assert sets[-1].numel() < sets[0].numel() < packed.input_ids.numel() / 2, name
 
 
 @pytest.mark.parametrize("lk_loss_type", [None, "lambda"])
