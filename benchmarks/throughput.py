@@ -51,8 +51,14 @@ both, and the least-squares fit ``epoch time = a * token slots + b * live slot-s
 over the four runs (live slot-steps: the (slot, step) pairs whose query side runs, every one of them
 without the skip; step 0's keys and values run at every slot either way).
 
+``--thread-scaling 1 2`` times only the packed layout of each draft, once per thread count
+(``torch.set_num_threads`` between interleaved epochs of one process), and reports wall and CPU time at
+each count, their ratios to the first, and the load average at the end of every epoch: on a shared
+machine the 2-thread wall time depends on what else runs.
+
     .venv/bin/python benchmarks/throughput.py --documents 16          # a few minutes on 2 CPU cores
     .venv/bin/python benchmarks/throughput.py --drafts eagle3 --eagle3-all-slots
+    .venv/bin/python benchmarks/throughput.py --documents 16 --thread-scaling 1 2
     .venv/bin/python benchmarks/throughput.py --device cuda --documents 512
 """
 
@@ -112,14 +118,20 @@ class Workload:
 
 @dataclass(frozen=True)
 class Series:
-    """One timed configuration: a layout, and (EAGLE-3) whether TTT steps run at live slots only."""
+    """One timed configuration: a layout, (EAGLE-3) whether TTT steps run at live slots only, and the
+    thread count (``None``: ``--threads``)."""
 
     name: str
     layout: str
     live_slots_only: bool = True
+    threads: int | None = None
 
 
 def series_of(name: str, args: argparse.Namespace) -> list[Series]:
+    if args.thread_scaling:
+        return [
+            Series(f"packed, {n} thread{'s' * (n > 1)}", "packed", threads=n) for n in args.thread_scaling
+        ]
     series = [Series(layout, layout) for layout in LAYOUTS]
     if name == "eagle3" and args.eagle3_all_slots:
         series += [Series(layout + ALL_SLOTS, layout, live_slots_only=False) for layout in LAYOUTS]
@@ -135,6 +147,8 @@ class Epoch:
     supervised: int
     peak_bytes: int
     saved_bytes: list[int] = field(default_factory=list)
+    # The 1-minute load average at the epoch's end: on a shared machine, what the thread figures ran beside.
+    load: float = 0.0
 
 
 # --- documents and layouts -------------------------------------------------------------------------
@@ -402,7 +416,7 @@ def timed_epoch(
     synchronize(memory.device)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     total = int(torch.stack(supervised).sum())
-    return Epoch(seconds, cpu_seconds, total, memory.peak(), saved)
+    return Epoch(seconds, cpu_seconds, total, memory.peak(), saved, os.getloadavg()[0])
 
 
 class FreshStart:
@@ -440,16 +454,20 @@ class DraftResult:
 
 
 @contextmanager
-def unroll(module: DraftModule, series: Series) -> Iterator[None]:
-    """EAGLE-3 with or without the live-slot skip for one epoch (the flag is read at every step)."""
-    if "ttt_live_slots_only" not in module.hparams:
-        yield
-        return
-    module.hparams.ttt_live_slots_only = series.live_slots_only
+def configured(module: DraftModule, series: Series) -> Iterator[None]:
+    """One epoch of ``series``: its thread count, and EAGLE-3 with or without the live-slot skip (the
+    flag is read at every step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(series.threads or threads)
+    skip = "ttt_live_slots_only" in module.hparams
+    if skip:
+        module.hparams.ttt_live_slots_only = series.live_slots_only
     try:
         yield
     finally:
-        module.hparams.ttt_live_slots_only = True
+        torch.set_num_threads(threads)
+        if skip:
+            module.hparams.ttt_live_slots_only = True
 
 
 @torch.no_grad()
@@ -488,12 +506,12 @@ def measure_draft(
 
     for run in series:
         log(f"{name}: warmup, {run.name} ({len(batches[run.layout])} micro-batches an epoch)")
-        with unroll(module, run):
+        with configured(module, run):
             warmup(module, fresh(), workload, run.layout, name, args.warmup)
     epochs: dict[str, list[Epoch]] = {run.name: [] for run in series}
     for repeat in range(args.repeats):
         for run in series:
-            with unroll(module, run):
+            with configured(module, run):
                 epoch = timed_epoch(module, fresh(), workload, run.layout, name, memory)
             epochs[run.name].append(epoch)
             log(f"{name}: repeat {repeat + 1}/{args.repeats} {run.name}: {epoch.seconds:.1f} s")
@@ -501,10 +519,12 @@ def measure_draft(
     if len(set().union(*counts.values())) != 1:
         raise RuntimeError(f"{name}: the runs supervised different positions: {counts}")
     steps = {}
-    if name == "eagle3":
+    if name == "eagle3" and not args.thread_scaling:
         width = args.ttt_length
         steps = {run.name: width * workload.slots(run.layout) for run in series if not run.live_slots_only}
-        steps |= {layout: live_slot_steps(module, batches[layout]) for layout in LAYOUTS}
+        steps |= {
+            run.name: live_slot_steps(module, batches[run.layout]) for run in series if run.live_slots_only
+        }
     return DraftResult(
         name=name,
         workload=workload,
@@ -659,7 +679,45 @@ def time_fit(result: DraftResult) -> list[str]:
     return lines
 
 
-def report(results: list[DraftResult], skipped: dict[str, str], cpu: bool, header: str) -> str:
+def thread_scaling_report(results: list[DraftResult], threads: list[int]) -> list[str]:
+    """Each draft's packed epoch at every thread count: wall and CPU time (median), their ratios to the
+    first count's, the per-pair wall ratios, and the load average beside each epoch."""
+    first = threads[0]
+    lines = [
+        f"Packed layout at {', '.join(map(str, threads))} threads, interleaved epochs in one process; "
+        f"ratios are to {first} thread{'s' * (first > 1)}, load = 1-minute load average at each epoch's end:",
+        "",
+        "| draft | threads | wall s (median) | CPU s (median) | CPU / wall | wall ratio (pairs) | CPU ratio | "
+        "wall s per epoch | load per epoch |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for result in results:
+        names = [run.name for run in result.series]
+        base = result.epochs[names[0]]
+        for count, name in zip(threads, names, strict=True):
+            epochs = result.epochs[name]
+            wall = statistics.median(e.seconds for e in epochs)
+            cpu_time = statistics.median(e.cpu_seconds for e in epochs)
+            pairs = [e.seconds / b.seconds for e, b in zip(epochs, base, strict=True)]
+            lines.append(
+                f"| {result.name} | {count} | {wall:.1f} | {cpu_time:.1f} | {cpu_time / wall:.2f} | "
+                f"{wall / statistics.median(b.seconds for b in base):.2f} ({min(pairs):.2f}-{max(pairs):.2f}) | "
+                f"{cpu_time / statistics.median(b.cpu_seconds for b in base):.2f} | "
+                f"{', '.join(f'{e.seconds:.1f}' for e in epochs)} | {', '.join(f'{e.load:.1f}' for e in epochs)} |"
+            )
+    return lines
+
+
+def report(
+    results: list[DraftResult],
+    skipped: dict[str, str],
+    cpu: bool,
+    header: str,
+    thread_scaling: list[int] | None = None,
+) -> str:
+    if thread_scaling:
+        lines = [header, "", *thread_scaling_report(results, thread_scaling)]
+        return "\n".join(lines + [f"\n{name}: skipped: {why}" for name, why in skipped.items()])
     cpu_head, cpu_rule = (" packed/padded by CPU time |", "---:|") if cpu else ("", "")
     lines = [
         header,
@@ -712,6 +770,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eagle3-all-slots",
         action="store_true",
         help="also time EAGLE-3 with every slot at every TTT step (ttt_live_slots_only=False), interleaved",
+    )
+    parser.add_argument(
+        "--thread-scaling",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="THREADS",
+        help="time only the packed layout, once per thread count (e.g. 1 2), interleaved in one process",
     )
     parser.add_argument("--draft-layers", type=int, default=2, help="DFlash / DFlash2 / DSpark draft layers")
     parser.add_argument("--block-size", type=int, default=16)
@@ -772,7 +838,7 @@ def main(argv: list[str] | None = None) -> None:
             + (
                 f" ({torch.cuda.get_device_name(device)})"
                 if device.type == "cuda"
-                else f", {args.threads} threads"
+                else f", {'/'.join(map(str, args.thread_scaling)) if args.thread_scaling else args.threads} threads"
             )
             + f", {str(args.dtype).removeprefix('torch.')}; load average (1/5/15 min) "
             f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start, "
@@ -791,7 +857,7 @@ def main(argv: list[str] | None = None) -> None:
             "Throughput columns are medians over the repeats; 'of limit' = (packed/padded) / limit.",
         ]
     )
-    print(report(results, skipped, device.type == "cpu", header))
+    print(report(results, skipped, device.type == "cpu", header, args.thread_scaling))
 
 
 if __name__ == "__main__":
