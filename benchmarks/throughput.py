@@ -44,7 +44,21 @@ target's LM-head rows outside it are zeroed so the random teacher's greedy token
 trained target's does (otherwise 7 positions in 8 would leave the loss and the benchmark would skip the
 draft's LM-head work).
 
+EAGLE-3 runs each TTT step only at the slots with a supervised prediction left (``ttt_live_slots_only``,
+the default; step 0's keys and values still run at every slot). ``--eagle3-all-slots`` also times every slot at every step (the path before it), interleaved
+with the default in the same process, and reports live / all slots per layout, the saved activations of
+both, and the least-squares fit ``epoch time = a * token slots + b * live slot-steps + c * supervised``
+over the four runs (live slot-steps: the (slot, step) pairs whose query side runs, every one of them
+without the skip; step 0's keys and values run at every slot either way).
+
+``--thread-scaling 1 2`` times only the packed layout of each draft, once per thread count
+(``torch.set_num_threads`` between interleaved epochs of one process), and reports wall and CPU time at
+each count, their ratios to the first, and the load average at the end of every epoch: on a shared
+machine the 2-thread wall time depends on what else runs.
+
     .venv/bin/python benchmarks/throughput.py --documents 16          # a few minutes on 2 CPU cores
+    .venv/bin/python benchmarks/throughput.py --drafts eagle3 --eagle3-all-slots
+    .venv/bin/python benchmarks/throughput.py --documents 16 --thread-scaling 1 2
     .venv/bin/python benchmarks/throughput.py --device cuda --documents 512
 """
 
@@ -75,8 +89,12 @@ from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.embedded import EMBEDDED_PAD_TOKEN_ID, EMBEDDED_VOCAB_SIZE
 from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
 from lightning_drafts.eagle3 import count_supervised_tokens
+from lightning_drafts.eagle3.live_slots import live_slots
+from lightning_drafts.eagle3.ttt import ttt_supervision
 
 LAYOUTS = ("packed", "padded")
+# EAGLE-3 without the live-slot skip, timed beside the default under --eagle3-all-slots.
+ALL_SLOTS = ", all slots"
 ANCHOR_DRAFTS = ("dflash", "dflash2", "dspark")
 ALL_DRAFTS = ("eagle3", *ANCHOR_DRAFTS)
 # Id 0 is <unk>: SentencePiece's byte fallback never emits it, so no document holds it (it also pads,
@@ -98,6 +116,28 @@ class Workload:
         return sum(b["attention_mask"].numel() for b in self.batches[layout])
 
 
+@dataclass(frozen=True)
+class Series:
+    """One timed configuration: a layout, (EAGLE-3) whether TTT steps run at live slots only, and the
+    thread count (``None``: ``--threads``)."""
+
+    name: str
+    layout: str
+    live_slots_only: bool = True
+    threads: int | None = None
+
+
+def series_of(name: str, args: argparse.Namespace) -> list[Series]:
+    if args.thread_scaling:
+        return [
+            Series(f"packed, {n} thread{'s' * (n > 1)}", "packed", threads=n) for n in args.thread_scaling
+        ]
+    series = [Series(layout, layout) for layout in LAYOUTS]
+    if name == "eagle3" and args.eagle3_all_slots:
+        series += [Series(layout + ALL_SLOTS, layout, live_slots_only=False) for layout in LAYOUTS]
+    return series
+
+
 @dataclass
 class Epoch:
     """One timed epoch of one layout: wall time, supervised positions, memory."""
@@ -107,6 +147,8 @@ class Epoch:
     supervised: int
     peak_bytes: int
     saved_bytes: list[int] = field(default_factory=list)
+    # The 1-minute load average at the epoch's end: on a shared machine, what the thread figures ran beside.
+    load: float = 0.0
 
 
 # --- documents and layouts -------------------------------------------------------------------------
@@ -374,7 +416,7 @@ def timed_epoch(
     synchronize(memory.device)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     total = int(torch.stack(supervised).sum())
-    return Epoch(seconds, cpu_seconds, total, memory.peak(), saved)
+    return Epoch(seconds, cpu_seconds, total, memory.peak(), saved, os.getloadavg()[0])
 
 
 class FreshStart:
@@ -403,7 +445,40 @@ class DraftResult:
     workload: Workload
     epochs: dict[str, list[Epoch]]
     micro_batches: dict[str, int]
+    series: list[Series]
+    live_slot_steps: dict[str, int] = field(default_factory=dict)
     setup_note: str = ""
+
+    def layout(self, series_name: str) -> str:
+        return next(s.layout for s in self.series if s.name == series_name)
+
+
+@contextmanager
+def configured(module: DraftModule, series: Series) -> Iterator[None]:
+    """One epoch of ``series``: its thread count, and EAGLE-3 with or without the live-slot skip (the
+    flag is read at every step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(series.threads or threads)
+    skip = "ttt_live_slots_only" in module.hparams
+    if skip:
+        module.hparams.ttt_live_slots_only = series.live_slots_only
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if skip:
+            module.hparams.ttt_live_slots_only = True
+
+
+@torch.no_grad()
+def live_slot_steps(module: DraftModule, batches: list[dict[str, Tensor]]) -> int:
+    """The (slot, step) pairs whose query side EAGLE-3 computes over ``batches`` with the skip (untimed)."""
+    total = 0
+    for batch in batches:
+        packed = module.prepare_batch(batch)
+        supervision = ttt_supervision(packed, module.teacher_signal(packed), module.hparams.ttt_length)
+        total += sum(slots.numel() for slots in live_slots(supervision.supervised))
+    return total
 
 
 def measure_draft(
@@ -427,24 +502,36 @@ def measure_draft(
     workload = Workload(batches=batches, anchors=anchors)
     fresh = FreshStart(module, args.learning_rate)
     memory = PeakMemory(device)
+    series = series_of(name, args)
 
-    for layout in LAYOUTS:
-        log(f"{name}: warmup, {layout} ({len(batches[layout])} micro-batches an epoch)")
-        warmup(module, fresh(), workload, layout, name, args.warmup)
-    epochs: dict[str, list[Epoch]] = {layout: [] for layout in LAYOUTS}
+    for run in series:
+        log(f"{name}: warmup, {run.name} ({len(batches[run.layout])} micro-batches an epoch)")
+        with configured(module, run):
+            warmup(module, fresh(), workload, run.layout, name, args.warmup)
+    epochs: dict[str, list[Epoch]] = {run.name: [] for run in series}
     for repeat in range(args.repeats):
-        for layout in LAYOUTS:
-            epoch = timed_epoch(module, fresh(), workload, layout, name, memory)
-            epochs[layout].append(epoch)
-            log(f"{name}: repeat {repeat + 1}/{args.repeats} {layout}: {epoch.seconds:.1f} s")
-    counts = {layout: {e.supervised for e in epochs[layout]} for layout in LAYOUTS}
-    if len(counts["packed"] | counts["padded"]) != 1:
-        raise RuntimeError(f"{name}: packed and padded supervised different positions: {counts}")
+        for run in series:
+            with configured(module, run):
+                epoch = timed_epoch(module, fresh(), workload, run.layout, name, memory)
+            epochs[run.name].append(epoch)
+            log(f"{name}: repeat {repeat + 1}/{args.repeats} {run.name}: {epoch.seconds:.1f} s")
+    counts = {run.name: {e.supervised for e in epochs[run.name]} for run in series}
+    if len(set().union(*counts.values())) != 1:
+        raise RuntimeError(f"{name}: the runs supervised different positions: {counts}")
+    steps = {}
+    if name == "eagle3" and not args.thread_scaling:
+        width = args.ttt_length
+        steps = {run.name: width * workload.slots(run.layout) for run in series if not run.live_slots_only}
+        steps |= {
+            run.name: live_slot_steps(module, batches[run.layout]) for run in series if run.live_slots_only
+        }
     return DraftResult(
         name=name,
         workload=workload,
         epochs=epochs,
         micro_batches={layout: len(batches[layout]) for layout in LAYOUTS},
+        series=series,
+        live_slot_steps=steps,
     )
 
 
@@ -453,25 +540,34 @@ def measure_draft(
 MIB = 2**20
 
 
-def work(result: DraftResult, layout: str) -> int:
+def work(result: DraftResult, name: str) -> int:
     """Real tokens for EAGLE-3 (token-proportional work); supervised positions for the block drafts."""
     return (
-        result.workload.real_tokens(layout)
+        result.workload.real_tokens(result.layout(name))
         if result.name == "eagle3"
-        else result.epochs[layout][0].supervised
+        else result.epochs[name][0].supervised
     )
 
 
-def rates(result: DraftResult, layout: str, clock: str) -> list[float]:
-    """Throughput of every epoch of ``layout`` by wall-clock (``"seconds"``) or process CPU time."""
-    return [work(result, layout) / getattr(epoch, clock) for epoch in result.epochs[layout]]
+def rates(result: DraftResult, name: str, clock: str) -> list[float]:
+    """Throughput of every epoch of series ``name`` by wall-clock (``"seconds"``) or process CPU time."""
+    return [work(result, name) / getattr(epoch, clock) for epoch in result.epochs[name]]
 
 
-def ratio(result: DraftResult, clock: str) -> tuple[float, float, float]:
-    """packed / padded of the median throughputs, and the range of the per-pair (interleaved) ratios."""
-    packed, padded = rates(result, "packed", clock), rates(result, "padded", clock)
-    pairs = [a / b for a, b in zip(packed, padded, strict=True)]
-    return statistics.median(packed) / statistics.median(padded), min(pairs), max(pairs)
+def ratio(
+    result: DraftResult, clock: str, first: str = "packed", second: str = "padded"
+) -> tuple[float, float, float]:
+    """first / second (default packed / padded) of the median throughputs, and the range of the
+    per-pair (interleaved) ratios."""
+    a, b = rates(result, first, clock), rates(result, second, clock)
+    pairs = [x / y for x, y in zip(a, b, strict=True)]
+    return statistics.median(a) / statistics.median(b), min(pairs), max(pairs)
+
+
+def saved_per_1k(result: DraftResult, name: str) -> float:
+    """Saved activations of series ``name``'s first timed epoch, MiB per 1k real tokens."""
+    tokens = result.workload.real_tokens(result.layout(name)) / 1000
+    return sum(result.epochs[name][0].saved_bytes) / MIB / tokens
 
 
 def padding_fraction(result: DraftResult, layout: str) -> float:
@@ -488,8 +584,7 @@ def summary_row(result: DraftResult, cpu: bool) -> str:
         cpu_cells = f" {cpu_ratio:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}), {cpu_ratio / limit:.0%} of limit |"
 
     def per_1k(layout: str) -> float:
-        tokens = result.workload.real_tokens(layout) / 1000
-        return sum(result.epochs[layout][0].saved_bytes) / MIB / tokens
+        return saved_per_1k(result, layout)
 
     def largest(layout: str) -> float:
         return max(result.epochs[layout][0].saved_bytes) / MIB
@@ -508,10 +603,10 @@ def summary_row(result: DraftResult, cpu: bool) -> str:
 
 def detail_rows(result: DraftResult) -> list[str]:
     rows = []
-    for layout in LAYOUTS:
-        epochs = result.epochs[layout]
+    for run in result.series:
+        epochs, layout = result.epochs[run.name], run.layout
         rows.append(
-            f"| {result.name} | {layout} | {result.micro_batches[layout]} | "
+            f"| {result.name} | {run.name} | {result.micro_batches[layout]} | "
             f"{result.workload.real_tokens(layout):,} | {result.workload.slots(layout):,} | "
             f"{padding_fraction(result, layout):.1%} | {epochs[0].supervised:,} | "
             f"{', '.join(f'{e.seconds:.1f}' for e in epochs)} | {', '.join(f'{e.cpu_seconds:.1f}' for e in epochs)} |"
@@ -519,7 +614,113 @@ def detail_rows(result: DraftResult) -> list[str]:
     return rows
 
 
-def report(results: list[DraftResult], skipped: dict[str, str], cpu: bool, header: str) -> str:
+def all_slots_section(result: DraftResult, cpu: bool) -> list[str]:
+    """EAGLE-3 with the live-slot skip against every slot at every step, and the linear time fit."""
+    if not any(not run.live_slots_only for run in result.series):
+        return []
+    cpu_head, cpu_rule = (" live / all by CPU time |", "---:|") if cpu else ("", "")
+    lines = [
+        "",
+        "EAGLE-3, TTT steps at live slots only (default) vs every slot (`ttt_live_slots_only=False`):",
+        "",
+        f"| layout | live slots, real tokens/s | all slots, real tokens/s | live / all (pairs) |{cpu_head} "
+        "live slot-steps, live / all | saved act. MiB / 1k real tokens, live / all |",
+        f"|---|---:|---:|---:|{cpu_rule}---:|---:|",
+    ]
+    for layout in LAYOUTS:
+        every = layout + ALL_SLOTS
+        wall, low, high = ratio(result, "seconds", layout, every)
+        cpu_cell = ""
+        if cpu:
+            cpu_ratio, cpu_low, cpu_high = ratio(result, "cpu_seconds", layout, every)
+            cpu_cell = f" {cpu_ratio:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}) |"
+        lines.append(
+            f"| {layout} | {statistics.median(rates(result, layout, 'seconds')):,.0f} | "
+            f"{statistics.median(rates(result, every, 'seconds')):,.0f} | {wall:.2f}x ({low:.2f}-{high:.2f}) |"
+            f"{cpu_cell} {result.live_slot_steps[layout]:,} / {result.live_slot_steps[every]:,} | "
+            f"{saved_per_1k(result, layout):.0f} / {saved_per_1k(result, every):.0f} |"
+        )
+    # On CPU the fit takes process CPU time: on a shared machine the wall time is mostly other processes'.
+    lines += ["", *time_fit(result, "cpu_seconds" if cpu else "seconds")]
+    return lines
+
+
+def time_fit(result: DraftResult, clock: str) -> list[str]:
+    """Least squares ``median epoch time = a * token slots + b * live slot-steps + c * supervised`` (by
+    ``clock``: ``"seconds"`` or ``"cpu_seconds"``) over the timed series, with each term's share of every
+    series' fitted time."""
+    names = [run.name for run in result.series]
+    features = np.array(
+        [
+            [
+                result.workload.slots(result.layout(name)),
+                result.live_slot_steps[name],
+                result.epochs[name][0].supervised,
+            ]
+            for name in names
+        ],
+        dtype=float,
+    )
+    seconds = np.array([statistics.median(getattr(e, clock) for e in result.epochs[name]) for name in names])
+    coefficients, *_ = np.linalg.lstsq(features, seconds, rcond=None)
+    a, b, c = (1e6 * x for x in coefficients)
+    lines = [
+        f"Fit over the {len(names)} series: time = a * token slots + b * live slot-steps + c * supervised, "
+        f"a = {a:.0f} us, b = {b:.0f} us, c = {c:.0f} us ({'CPU time' if clock == 'cpu_seconds' else 'wall'}, "
+        "median epoch).",
+        "",
+        "| series | token slots | live slot-steps | supervised | measured s | fitted s | a / b / c share |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, row, measured in zip(names, features, seconds, strict=True):
+        terms = row * coefficients
+        shares = " / ".join(f"{t / terms.sum():.0%}" for t in terms)
+        lines.append(
+            f"| {name} | {row[0]:,.0f} | {row[1]:,.0f} | {row[2]:,.0f} | {measured:.1f} | {terms.sum():.1f} | "
+            f"{shares} |"
+        )
+    return lines
+
+
+def thread_scaling_report(results: list[DraftResult], threads: list[int]) -> list[str]:
+    """Each draft's packed epoch at every thread count: wall and CPU time (median), their ratios to the
+    first count's, the per-pair wall ratios, and the load average beside each epoch."""
+    first = threads[0]
+    lines = [
+        f"Packed layout at {', '.join(map(str, threads))} threads, interleaved epochs in one process; "
+        f"ratios are to {first} thread{'s' * (first > 1)}, load = 1-minute load average at each epoch's end:",
+        "",
+        "| draft | threads | wall s (median) | CPU s (median) | CPU / wall | wall ratio (pairs) | CPU ratio | "
+        "wall s per epoch | load per epoch |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for result in results:
+        names = [run.name for run in result.series]
+        base = result.epochs[names[0]]
+        for count, name in zip(threads, names, strict=True):
+            epochs = result.epochs[name]
+            wall = statistics.median(e.seconds for e in epochs)
+            cpu_time = statistics.median(e.cpu_seconds for e in epochs)
+            pairs = [e.seconds / b.seconds for e, b in zip(epochs, base, strict=True)]
+            lines.append(
+                f"| {result.name} | {count} | {wall:.1f} | {cpu_time:.1f} | {cpu_time / wall:.2f} | "
+                f"{wall / statistics.median(b.seconds for b in base):.2f} ({min(pairs):.2f}-{max(pairs):.2f}) | "
+                f"{cpu_time / statistics.median(b.cpu_seconds for b in base):.2f} | "
+                f"{', '.join(f'{e.seconds:.1f}' for e in epochs)} | {', '.join(f'{e.load:.1f}' for e in epochs)} |"
+            )
+    return lines
+
+
+def report(
+    results: list[DraftResult],
+    skipped: dict[str, str],
+    cpu: bool,
+    header: str,
+    thread_scaling: list[int] | None = None,
+) -> str:
+    if thread_scaling:
+        lines = [header, "", *thread_scaling_report(results, thread_scaling)]
+        return "\n".join(lines + [f"\n{name}: skipped: {why}" for name, why in skipped.items()])
     cpu_head, cpu_rule = (" packed/padded by CPU time |", "---:|") if cpu else ("", "")
     lines = [
         header,
@@ -537,6 +738,8 @@ def report(results: list[DraftResult], skipped: dict[str, str], cpu: bool, heade
     ]
     for result in results:
         lines += detail_rows(result)
+    for result in results:
+        lines += all_slots_section(result, cpu)
     lines += [f"\n{name}: skipped: {why}" for name, why in skipped.items()]
     return "\n".join(lines)
 
@@ -566,6 +769,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-layers", type=int, default=4)
     parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3 TTT steps")
     parser.add_argument("--draft-vocab-size", type=int, default=4096, help="EAGLE-3 draft vocabulary")
+    parser.add_argument(
+        "--eagle3-all-slots",
+        action="store_true",
+        help="also time EAGLE-3 with every slot at every TTT step (ttt_live_slots_only=False), interleaved",
+    )
+    parser.add_argument(
+        "--thread-scaling",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="THREADS",
+        help="time only the packed layout, once per thread count (e.g. 1 2), interleaved in one process",
+    )
     parser.add_argument("--draft-layers", type=int, default=2, help="DFlash / DFlash2 / DSpark draft layers")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--anchors", type=int, default=16, help="anchors per document (block drafts)")
@@ -625,7 +841,7 @@ def main(argv: list[str] | None = None) -> None:
             + (
                 f" ({torch.cuda.get_device_name(device)})"
                 if device.type == "cuda"
-                else f", {args.threads} threads"
+                else f", {'/'.join(map(str, args.thread_scaling)) if args.thread_scaling else args.threads} threads"
             )
             + f", {str(args.dtype).removeprefix('torch.')}; load average (1/5/15 min) "
             f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start, "
@@ -644,7 +860,7 @@ def main(argv: list[str] | None = None) -> None:
             "Throughput columns are medians over the repeats; 'of limit' = (packed/padded) / limit.",
         ]
     )
-    print(report(results, skipped, device.type == "cpu", header))
+    print(report(results, skipped, device.type == "cpu", header, args.thread_scaling))
 
 
 if __name__ == "__main__":

@@ -148,16 +148,34 @@ def tiled_attention(
         empty = query.new_zeros(batch, heads, 0, value.shape[-1])
         return empty, query.new_zeros(batch, heads, 0, dtype=torch.float32) if with_lse else None
     keys, values = _gather_rows(key, mask.key_index), _gather_rows(value, mask.key_index)
-    outs, lses, offset = [], [], 0
-    for tile in mask.tiles:
-        count = batch * tile.width
-        k = keys[offset : offset + count].view(batch, tile.width, heads, -1).transpose(1, 2)
-        v = values[offset : offset + count].view(batch, tile.width, heads, -1).transpose(1, 2)
-        out, lse = _tile_attention(query[:, :, tile.start : tile.stop], k, v, tile, scale, with_lse)
+    # One split per tensor rather than a slice per tile: a slice's backward writes its gradient into a
+    # zero tensor of the whole input, so per-tile slices cost a full-size fill and add per tile.
+    widths = [batch * tile.width for tile in mask.tiles]
+    pieces = zip(
+        mask.tiles,
+        query.split([tile.stop - tile.start for tile in mask.tiles], dim=2),
+        keys.split(widths),
+        values.split(widths),
+        strict=True,
+    )
+    outs, lses, pulls = [], [], []
+    for tile, q, k, v in pieces:
+        k = k.view(batch, tile.width, heads, -1).transpose(1, 2)
+        v = v.view(batch, tile.width, heads, -1).transpose(1, 2)
+        out, lse, pulled = _tile_attention(q, k, v, tile, scale, with_lse)
         outs.append(out)
         lses.append(lse)
-        offset += count
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2) if with_lse else None
+        if pulled is not None:
+            pulls.append(pulled)
+    if not with_lse:
+        return torch.cat(outs, dim=2), None
+    lse = torch.cat(lses, dim=2)
+    if pulls:
+        # The log-sum-exp's gradient, once over every tile's queries: per tile it was five more small
+        # ops (and their backward) each, which cost a thread synchronisation apiece.
+        pull = (query.float() * torch.cat(pulls, dim=2).float()).sum(-1) * scale
+        lse = lse + (pull - pull.detach())
+    return torch.cat(outs, dim=2), lse
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
@@ -167,33 +185,39 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
 
 def _tile_attention(
     query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The tile's output, its log-sum-exp (when ``with_lse``) and, where the log-sum-exp needs a gradient,
+    ``P K`` (see the module docstring: ``lse`` pulls by ``scale * q . P K``)."""
+    pulled = None
     if query.device.type == "cpu":
-        out, lse = _cpu_flash(query, key, value, tile, scale, with_lse)
+        out, lse, pulled = _cpu_flash(query, key, value, tile, scale, with_lse)
     else:
         out, lse = _dense_math(query, key, value, tile, scale)
     if tile.empty is not None:
         out = out.masked_fill(tile.empty[..., None], 0.0)
         lse = lse.masked_fill(tile.empty, float("-inf"))
-    return out, lse if with_lse else None
+        # A query that sees nothing has no log-sum-exp gradient.
+        pulled = None if pulled is None else pulled.masked_fill(tile.empty[..., None], 0.0)
+    return out, lse if with_lse else None, pulled
 
 
 def _cpu_flash(
     query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor | None]:
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     bias = tile.bias.to(query.dtype)
     # The kernel wants one head size for q, k and v (MLA's value heads are narrower): zero columns
     # change no score and no kept output.
-    value_dim, dim = value.shape[-1], max(query.shape[-1], value.shape[-1])
+    query_dim, value_dim = query.shape[-1], value.shape[-1]
+    dim = max(query_dim, value_dim)
     query, key, value = (_widen(x, dim) for x in (query, key, value))
     out, lse = flash(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
-    out, lse = out[..., :value_dim], lse.float()
+    pulled = None
     if with_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
         pulled = flash(query.detach(), key.detach(), key, 0.0, False, attn_mask=bias, scale=scale)[0]
-        pull = (query.float() * pulled.float()).sum(-1) * scale
-        lse = lse + (pull - pull.detach())
-    return out, lse
+        # The query's widened columns are zero: P K there adds nothing to q . P K.
+        pulled = pulled[..., :query_dim]
+    return out[..., :value_dim], lse.float(), pulled
 
 
 def _widen(x: Tensor, dim: int) -> Tensor:

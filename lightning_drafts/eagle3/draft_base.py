@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from lightning_drafts.eagle3.live_slots import at_slots, one_row
 from lightning_drafts.eagle3.rope import resolve_rope_theta, rope_scaling_of
 from lightning_drafts.eagle3.ttt import TTTCache, ttt_attention
 
@@ -55,12 +56,25 @@ class TTTAttention(nn.Module):
     scale: float
     o_proj: nn.Linear
 
-    def project(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``q, k, v`` as ``[B, heads, T, d]`` with RoPE applied at ``positions`` and KV heads expanded."""
-        raise NotImplementedError(f"{type(self).__name__} must implement project")
+    def project_query(self, fused: Tensor, positions: Tensor) -> Tensor:
+        """``q`` as ``[B, heads, T, d]`` with RoPE applied at ``positions``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement project_query")
 
-    def forward(self, fused: Tensor, positions: Tensor, cache: TTTCache, mask: Any) -> Tensor:
-        query, key, value = self.project(fused, positions)
+    def project_key_value(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``k, v`` as ``[B, heads, T, d]`` with RoPE applied to ``k`` at ``positions``, KV heads expanded."""
+        raise NotImplementedError(f"{type(self).__name__} must implement project_key_value")
+
+    def forward(
+        self, fused: Tensor, positions: Tensor, cache: TTTCache, mask: Any, queries: Tensor | None = None
+    ) -> Tensor:
+        """``[B, T, H]`` attention outputs, or ``[1, N, H]`` at the flat slots ``queries`` only: then the keys
+        and values of every slot enter the cache as one row of ``B * T`` (the layout ``mask`` indexes)."""
+        key, value = self.project_key_value(fused, positions)
+        if queries is None:
+            query = self.project_query(fused, positions)
+        else:
+            key, value = one_row(key), one_row(value)
+            query = self.project_query(at_slots(fused, queries), at_slots(positions, queries))
         out = ttt_attention(query, key, value, cache, mask, self.scale)
         batch, _, width, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
@@ -78,10 +92,18 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, embeds: Tensor, hidden: Tensor, positions: Tensor, cache: TTTCache, mask: Any
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: TTTCache,
+        mask: Any,
+        queries: Tensor | None = None,
     ) -> Tensor:
         fused = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(fused, positions, cache, mask)
+        if queries is not None:
+            hidden = at_slots(hidden, queries)
+        hidden = hidden + self.self_attn(fused, positions, cache, mask, queries)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -160,10 +182,17 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
 
     def step(
-        self, input_ids: Tensor, hidden: Tensor, positions: Tensor, cache: TTTCache, mask: Any
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: TTTCache,
+        mask: Any,
+        queries: Tensor | None = None,
     ) -> Tensor:
-        """One TTT step: the next raw (pre-final-norm) hidden state, ``[B, T, H]``."""
-        return self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, mask)
+        """One TTT step: the next raw (pre-final-norm) hidden state, ``[B, T, H]``, or ``[1, N, H]`` at the
+        flat slots ``queries`` only (see :meth:`TTTAttention.forward`)."""
+        return self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, mask, queries)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))

@@ -87,16 +87,18 @@ class LlamaDraftAttention(TTTAttention):
         self.rope = rope
         self.scale = head_dim**-0.5
 
-    def project(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project_query(self, fused: Tensor, positions: Tensor) -> Tensor:
         batch, width, _ = fused.shape
         query = self.q_proj(fused).view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
+        return rotate_half_rope(query, self.rope.angles(positions), self.rope.attention_scaling)
+
+    def project_key_value(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        batch, width, _ = fused.shape
         key = self.k_proj(fused).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(fused).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        angles = self.rope.angles(positions)
-        query = rotate_half_rope(query, angles, self.rope.attention_scaling)
-        key = rotate_half_rope(key, angles, self.rope.attention_scaling)
+        key = rotate_half_rope(key, self.rope.angles(positions), self.rope.attention_scaling)
         groups = self.num_heads // self.num_kv_heads
-        return query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
 
 class LlamaEagle3Draft(Eagle3Draft):

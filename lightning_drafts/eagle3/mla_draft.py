@@ -98,19 +98,20 @@ class MLADraftAttention(TTTAttention):
         # No YaRN mscale on the softmax scale: the reference draft learns around it (eagle3.md §7.2).
         self.scale = qk_dim**-0.5
 
-    def project(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project_query(self, fused: Tensor, positions: Tensor) -> Tensor:
         batch, width, _ = fused.shape
         query = self._query(fused).view(batch, width, self.num_heads, -1).transpose(1, 2)
         query_nope, query_rope = query.split([self.nope_dim, self.rope_dim], dim=-1)
+        return torch.cat([query_nope, interleaved_rope(query_rope, self.rope.angles(positions))], dim=-1)
+
+    def project_key_value(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        batch, width, _ = fused.shape
         latent, key_rope = self.kv_a_proj_with_mqa(fused).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         per_head = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, width, self.num_heads, -1)
         key_nope, value = per_head.transpose(1, 2).split([self.nope_dim, self.v_head_dim], dim=-1)
-        angles = self.rope.angles(positions)
-        query_rope = interleaved_rope(query_rope, angles)
-        key_rope = interleaved_rope(key_rope[:, None], angles).expand(-1, self.num_heads, -1, -1)
-        query = torch.cat([query_nope, query_rope], dim=-1)
-        key = torch.cat([key_nope, key_rope], dim=-1)
-        return query, key, value.contiguous()
+        key_rope = interleaved_rope(key_rope[:, None], self.rope.angles(positions))
+        key = torch.cat([key_nope, key_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        return key, value.contiguous()
 
     def _query(self, fused: Tensor) -> Tensor:
         if hasattr(self, "q_proj"):

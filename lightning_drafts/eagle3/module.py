@@ -20,6 +20,12 @@ from lightning_drafts.attention.backends import (
     block_mask_from_mask_mod,
     document_causal_mask_mod,
 )
+from lightning_drafts.attention.query_subset import (
+    flat_document_starts,
+    subset_causal_mask,
+    subset_causal_mask_mod,
+    tile_subset_causal_mask,
+)
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.checks import check_int, is_number
@@ -28,11 +34,19 @@ from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.export import export_eagle3
 from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
+from lightning_drafts.eagle3.live_slots import live_slots, ttt_unroll_live
 from lightning_drafts.eagle3.llama_draft import build_llama_draft
 from lightning_drafts.eagle3.mla_draft import build_mla_draft
 from lightning_drafts.eagle3.rules import TARGET_LAYER_IDS
 from lightning_drafts.eagle3.step_objective import StepObjective
-from lightning_drafts.eagle3.ttt import TeacherSignal, eagle3_objective, ttt_unroll
+from lightning_drafts.eagle3.ttt import (
+    StepState,
+    TeacherSignal,
+    TTTSupervision,
+    eagle3_objective,
+    ttt_supervision,
+    ttt_unroll,
+)
 from lightning_drafts.eagle3.vocab_coverage import CoverageCheck
 from lightning_drafts.eagle3.vocab_mapping import (
     VocabMapping,
@@ -75,6 +89,10 @@ class Eagle3Base(DraftModule):
             and SpecForge's ``LlamaForCausalLMEagle3`` have none (the export warns). ``False``: a
             bias-free draft that vLLM, SGLang and SpecForge all serve as trained. The MLA draft has no
             biases (``True`` is refused there).
+        ttt_live_slots_only: run each TTT step only at the slots with a supervised prediction left at that
+            step or later (step 0 still computes keys and values everywhere;
+            :mod:`lightning_drafts.eagle3.live_slots`): the same loss, gradients and statistics. ``False``
+            runs every slot at every step: the reference the tests compare with.
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
@@ -91,8 +109,11 @@ class Eagle3Base(DraftModule):
         lk_kl_scale: float = 1.0,
         lk_kl_decay: float = 3.0,
         draft_biases: bool | None = None,
+        ttt_live_slots_only: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(ttt_live_slots_only, bool):
+            raise ValueError(f"ttt_live_slots_only = {ttt_live_slots_only!r}; it must be True or False")
         check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
         if draft_biases is not None and not isinstance(draft_biases, bool):
             raise ValueError(
@@ -235,24 +256,42 @@ class Eagle3Base(DraftModule):
         packed = self.prepare_batch(batch)
         self._require_vocab_mapping()
         teacher = self.teacher_signal(packed)
-        states = ttt_unroll(
+        supervision = ttt_supervision(packed, teacher, self.hparams.ttt_length)
+        return eagle3_objective(
+            self.draft.compute_logits,
+            self._unroll(packed, teacher, supervision),
+            packed,
+            teacher,
+            supervision,
+            self.hparams.loss_decay_gamma,
+            self.objective,
+        )
+
+    def _unroll(
+        self, packed: PackedBatch, teacher: TeacherSignal, supervision: TTTSupervision
+    ) -> list[StepState]:
+        if not self.hparams.ttt_live_slots_only:
+            mask = self.draft_attention_mask(packed)
+            return ttt_unroll(self.draft, packed, teacher.aux_hidden_states, mask, self.hparams.ttt_length)
+        starts = flat_document_starts(packed.doc_start)
+        return ttt_unroll_live(
             self.draft,
             packed,
             teacher.aux_hidden_states,
-            self.draft_attention_mask(packed),
-            self.hparams.ttt_length,
-        )
-        return eagle3_objective(
-            self.draft.compute_logits, states, packed, teacher, self.hparams.loss_decay_gamma, self.objective
+            lambda slots: self.live_attention_mask(starts, slots),
+            live_slots(supervision.supervised),
         )
 
     def draft_logits(self, batch: Mapping[str, Tensor] | PackedBatch) -> Tensor:
-        """Draft logits at every slot and TTT step, ``[K, B, T, V_d]`` (for inspection and tests)."""
+        """Draft logits at every slot and TTT step, ``[K, B, T, V_d]`` (for inspection and tests: every
+        slot runs every step here, live or not)."""
         packed = self.prepare_batch(batch)
         teacher = self.teacher_signal(packed)
         mask = self.draft_attention_mask(packed)
         states = ttt_unroll(self.draft, packed, teacher.aux_hidden_states, mask, self.hparams.ttt_length)
-        return torch.stack([self.draft.compute_logits(state) for state in states])
+        return torch.stack(
+            [self.draft.compute_logits(state.hidden).view(*packed.shape, -1) for state in states]
+        )
 
     @torch.no_grad()
     def teacher_signal(self, packed: PackedBatch) -> TeacherSignal:
@@ -278,18 +317,35 @@ class Eagle3Base(DraftModule):
         return FeatureRequest(tuple(self.target_layer_ids), "supervised")
 
     def draft_attention_mask(self, packed: PackedBatch) -> Any:
-        """Block 1's document-causal mask, built once per batch and shared by every TTT step: a flex
-        ``BlockMask`` (``flex``), the dense bool ``[B, 1, T, T]`` (``eager``, the reference math) or its
-        query tiles (``sdpa``: attention then skips the keys of other documents and of the future)."""
-        backend = self.hparams.draft_attn_backend
-        if backend == "auto":
-            backend = "flex" if packed.input_ids.device.type == "cuda" else "sdpa"
+        """Block 1's document-causal mask, built once per batch and shared by every TTT step that runs
+        every slot: a flex ``BlockMask`` (``flex``), the dense bool ``[B, 1, T, T]`` (``eager``, the
+        reference math) or its query tiles (``sdpa``: attention then skips the keys of other documents
+        and of the future)."""
+        backend = self._draft_backend(packed.input_ids.device)
         if backend == "flex":
             batch, width = packed.shape
             mask_mod = document_causal_mask_mod(packed.doc_ids)
             return block_mask_from_mask_mod(mask_mod, batch, width, width, packed.input_ids.device)
         mask = block_causal_mask(packed.doc_ids)
         return tile_dense_mask(mask) if backend == "sdpa" else mask
+
+    def live_attention_mask(self, starts: Tensor, slots: Tensor) -> Any:
+        """Block 1's mask for the queries at flat ``slots`` (ascending) against the micro-batch's
+        ``B * T`` step-0 keys, in the form :meth:`draft_attention_mask` gives (``starts``:
+        :func:`~lightning_drafts.attention.query_subset.flat_document_starts`)."""
+        backend = self._draft_backend(slots.device)
+        if backend == "flex":
+            mask_mod = subset_causal_mask_mod(starts, slots)
+            return block_mask_from_mask_mod(mask_mod, 1, slots.numel(), starts.numel(), slots.device)
+        if backend == "sdpa":
+            return tile_subset_causal_mask(starts, slots)
+        return subset_causal_mask(starts, slots)
+
+    def _draft_backend(self, device: torch.device) -> str:
+        backend = self.hparams.draft_attn_backend
+        if backend == "auto":
+            return "flex" if device.type == "cuda" else "sdpa"
+        return backend
 
     # --- export ---------------------------------------------------------------------------------
 

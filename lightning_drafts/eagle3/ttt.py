@@ -67,7 +67,13 @@ class TTTDraft(Protocol):
     def project_hidden_states(self, aux_hidden_states: Tensor) -> Tensor: ...
 
     def step(
-        self, input_ids: Tensor, hidden: Tensor, positions: Tensor, cache: TTTCache, mask: Any
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: TTTCache,
+        mask: Any,
+        queries: Tensor | None = None,
     ) -> Tensor: ...
 
     def compute_logits(self, hidden: Tensor) -> Tensor: ...
@@ -92,12 +98,16 @@ def ttt_attention(
     if len(cache.keys) == 1:
         return block
     q32 = query.float()
-    diagonal = torch.stack([(q32 * k.float()).sum(-1) * scale for k in cache.keys[1:]], dim=-1)
-    total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=-1))
-    block_weight = torch.exp(block_lse - total)[..., None].to(block.dtype)
-    diagonal_weight = torch.exp(diagonal - total[..., None]).to(value.dtype)
-    diagonal_values = torch.stack(cache.values[1:], dim=-1)
-    return block_weight * block + (diagonal_values * diagonal_weight[..., None, :]).sum(-1)
+    # Scores stacked on a leading axis and the values weighted one step at a time: stacking the values on
+    # a trailing axis of size k copied every one of them at every step (and kept the copy for backward).
+    diagonal = torch.stack([(q32 * k.float()).sum(-1) for k in cache.keys[1:]]) * scale
+    total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=0))
+    out = torch.exp(block_lse - total)[..., None].to(block.dtype) * block
+    for weight, diagonal_value in zip(
+        torch.exp(diagonal - total).to(value.dtype), cache.values[1:], strict=True
+    ):
+        out = out + weight[..., None] * diagonal_value
+    return out
 
 
 # --- frames and masks -----------------------------------------------------------------------------
@@ -140,19 +150,61 @@ def step_input_ids(packed: PackedBatch, step: int) -> Tensor:
 # --- unroll and objective -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TTTSupervision:
+    """Every step's masks at once, bool ``[K, B, T]`` each: ``chain_valid`` is ``C_k`` and ``supervised``
+    is ``S_k`` of :func:`step_masks` (what the objective reads, and what decides which slots a step runs)."""
+
+    chain_valid: Tensor
+    supervised: Tensor
+
+
+def ttt_supervision(packed: PackedBatch, teacher: TeacherSignal, steps: int) -> TTTSupervision:
+    """:func:`step_masks` for steps ``0..steps - 1``, with the packing gate on."""
+    trainer_loss_mask = shift_left(packed.loss_mask, 1)
+    trainer_in_vocab = shift_left(teacher.in_draft_vocab, 1)
+    masks = [step_masks(trainer_loss_mask, trainer_in_vocab, packed.doc_remaining, k) for k in range(steps)]
+    return TTTSupervision(
+        chain_valid=torch.stack([chain_valid for chain_valid, _ in masks]),
+        supervised=torch.stack([supervised for _, supervised in masks]),
+    )
+
+
+@dataclass(frozen=True)
+class StepState:
+    """The draft's hidden state after one TTT step at the slots that step computed.
+
+    Attributes:
+        hidden: ``[N, H]``, one row per computed slot.
+        slots: long ``[N]``, the flat slot ``b * T + t`` of each row, ascending; ``None`` when the step
+            computed every slot (row ``b * T + t`` is slot ``(b, t)``).
+    """
+
+    hidden: Tensor
+    slots: Tensor | None = None
+
+    def at(self, flat_slots: Tensor) -> Tensor:
+        """The hidden state at ``flat_slots`` (each one a computed slot), ``[n, H]``."""
+        if self.slots is None:
+            return self.hidden[flat_slots]
+        return self.hidden[torch.searchsorted(self.slots, flat_slots)]
+
+
 def ttt_unroll(
     draft: TTTDraft, packed: PackedBatch, aux_hidden_states: Tensor, mask: Any, ttt_length: int
-) -> list[Tensor]:
-    """The draft's hidden state after every TTT step (``ttt_length`` tensors ``[B, T, H]``).
+) -> list[StepState]:
+    """The draft's hidden state after every TTT step at every slot (``ttt_length`` states of ``B * T``).
 
     Gradients flow through the whole unroll (the carried state and the cached keys are never detached).
+    :func:`~lightning_drafts.eagle3.live_slots.ttt_unroll_live` computes the same states at the slots
+    the objective reads only.
     """
     hidden = draft.project_hidden_states(aux_hidden_states)
     cache = TTTCache()
     states = []
     for step in range(ttt_length):
         hidden = draft.step(step_input_ids(packed, step), hidden, packed.position_ids + step, cache, mask)
-        states.append(hidden)
+        states.append(StepState(hidden.reshape(-1, hidden.shape[-1])))
     return states
 
 
@@ -164,9 +216,10 @@ def step_weights(ttt_length: int, gamma: float) -> list[float]:
 
 def eagle3_objective(
     compute_logits: Callable[[Tensor], Tensor],
-    states: list[Tensor],
+    states: list[StepState],
     packed: PackedBatch,
     teacher: TeacherSignal,
+    supervision: TTTSupervision,
     gamma: float,
     objective: StepObjective | None = None,
 ) -> DraftOutput:
@@ -175,43 +228,41 @@ def eagle3_objective(
     ``L_k`` is ``objective``'s loss over the slots supervised at step ``k`` (default: their mean soft CE;
     LK options in :mod:`lightning_drafts.eagle3.step_objective`; 0 when none, still weighted);
     ``loss = Σ_k gamma^k L_k / Σ_k gamma^k``. Logits are computed only on supervised rows, so a draft
-    vocabulary of any size never costs ``[B, T, V_d]`` per step.
+    vocabulary of any size never costs ``[B, T, V_d]`` per step; ``states`` need to hold only the slots
+    ``supervision.supervised`` marks at their step.
 
     Chains (eagle3.md §5.5): one per trainer slot valid at some step, row-major over ``(b, i)``;
     ``valid[:, k] = C_k`` (no ``t2d`` term), ``correct[:, k] = (draft argmax == teacher argmax) ∧ S_k``;
     ``valid_tokens = Σ_k Σ S_k``.
     """
     objective = StepObjective() if objective is None else objective
-    steps = len(states)
-    trainer_loss_mask = shift_left(packed.loss_mask, 1)
-    trainer_in_vocab = shift_left(teacher.in_draft_vocab, 1)
-    masks = [step_masks(trainer_loss_mask, trainer_in_vocab, packed.doc_remaining, k) for k in range(steps)]
-    valid = torch.stack([chain_valid for chain_valid, _ in masks], dim=-1)
+    steps, width = len(states), packed.shape[1]
+    valid = supervision.chain_valid.permute(1, 2, 0).contiguous()
     correct = torch.zeros_like(valid)
     # Every supervised (step, row, slot) of the unroll in one nonzero: two host syncs per micro-batch
     # (the nonzero and the per-step sizes) instead of one per step.
-    step, rows, slots = torch.stack([supervised for _, supervised in masks]).nonzero(as_tuple=True)
+    step, rows, slots = supervision.supervised.nonzero(as_tuple=True)
     sizes = torch.bincount(step, minlength=steps).tolist()
     per_step = zip(states, step_weights(steps, gamma), rows.split(sizes), slots.split(sizes), strict=True)
     # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
     # so every rank runs backward and DDP / FSDP never wait on a skipped step.
-    loss = states[-1].float().sum() * 0.0
+    loss = states[-1].hidden.float().sum() * 0.0
     teacher_argmax = teacher.logits.argmax(-1)
     # One step at a time, so only one step's [rows, V_d] logits and teacher rows are alive outside autograd.
     for k, (state, weight, step_rows, step_slots) in enumerate(per_step):
-        student = compute_logits(state[step_rows, step_slots])
+        student = compute_logits(state.at(step_rows * width + step_slots))
         teacher_rows = teacher.row[step_rows, step_slots + 1 + k]
         target = teacher.logits[teacher_rows]
         loss = loss + weight * objective.step_loss(student, target)
         correct[step_rows, step_slots, k] = student.detach().argmax(-1) == teacher_argmax[teacher_rows]
     supervised_total = torch.tensor(sum(sizes), device=valid.device)
     chains = valid.any(-1).reshape(-1)
-    correct = correct.reshape(-1, len(states))[chains]
+    correct = correct.reshape(-1, steps)[chains]
     hits = correct.sum()
     return DraftOutput(
         loss=loss,
         correct=correct,
-        valid=valid.reshape(-1, len(states))[chains],
+        valid=valid.reshape(-1, steps)[chains],
         valid_tokens=supervised_total,
         metrics={"accuracy": hits.float() / supervised_total.clamp(min=1).float()},
         sums={

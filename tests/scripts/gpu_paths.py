@@ -7,8 +7,10 @@
    and the chains, for EAGLE-3, MLA-EAGLE-3, DFlash, DFlash2 and DSpark (CPU dry run: loss only, since
    flex has no CPU backward);
 2. flex == SDPA on the same packed batch (loss and chains);
-3. the flash-attn varlen target gives the SDPA target's captured layers (flash-attn installed only);
-4. one bf16 optimizer step of each draft on a packed batch is finite.
+3. EAGLE-3 / MLA-EAGLE-3 at live TTT slots only (the default) == every slot at every step, under flex
+   (loss, every draft gradient, the chains; CPU dry run: loss only);
+4. the flash-attn varlen target gives the SDPA target's captured layers (flash-attn installed only);
+5. one bf16 optimizer step of each draft on a packed batch is finite.
 
 Each check prints PASS / FAIL with its error; the exit code is the number of failures.
 """
@@ -51,7 +53,7 @@ def on(batch: dict, device: str) -> dict:
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def eagle3(name: str, backend: str, device: str) -> torch.nn.Module:
+def eagle3(name: str, backend: str, device: str, **options) -> torch.nn.Module:
     module_class, family = EAGLE3[name]
     torch.manual_seed(0)
     module = module_class(
@@ -61,6 +63,7 @@ def eagle3(name: str, backend: str, device: str) -> torch.nn.Module:
         token_frequencies=frequencies(),
         target_attn_backend=backend,
         draft_attn_backend=backend,
+        **options,
     )
     return module.to(device)
 
@@ -152,6 +155,22 @@ def check_flex_equals_sdpa(device: str) -> None:
         assert_same(*outputs, backward=False)
 
 
+def check_live_slots_equal_every_slot_under_flex(device: str) -> None:
+    backward = device == "cuda"
+    packed, _ = eagle3_twins(device)
+    # Prompts of 3 tokens (dead slots at every step) and a hole, in each of the four documents.
+    for start in (0, 7, 12, 21):
+        packed["loss_mask"][0, start : start + 3] = 0
+    packed["loss_mask"][0, 17] = 0
+    for name in EAGLE3:
+        live = eagle3(name, "flex", device)
+        every = eagle3(name, "flex", device, ttt_live_slots_only=False)
+        every.load_state_dict(live.state_dict())
+        assert_same(
+            objective(live, packed, None, backward), objective(every, packed, None, backward), backward
+        )
+
+
 def check_flash_varlen_target_equals_sdpa(device: str) -> None:
     if device != "cuda" or importlib.util.find_spec("flash_attn") is None:
         raise Skipped("needs CUDA and flash-attn")
@@ -194,6 +213,7 @@ def check_bf16_step_is_finite(device: str) -> None:
 CHECKS = [
     check_packed_equals_padded_under_flex,
     check_flex_equals_sdpa,
+    check_live_slots_equal_every_slot_under_flex,
     check_flash_varlen_target_equals_sdpa,
     check_bf16_step_is_finite,
 ]
