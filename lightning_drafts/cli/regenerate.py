@@ -23,6 +23,13 @@ from lightning_drafts.cli.fit_config import config_datamodule, read_config, targ
 
 def regenerate_main(args: list[str]) -> None:
     parsed = _parser().parse_args(args)
+    # Merging reads only the workers' files: no target, tokenizer or data to load.
+    if parsed.merge is not None:
+        from lightning_drafts.workflows.regenerate import merge_shards
+
+        meta = merge_shards(parsed.output, parsed.merge, overwrite=parsed.overwrite)
+        print(f"wrote {parsed.output} ({meta['counts']['rows_written']} rows)")
+        return
     config = read_config(parsed.config)
     spec, seed = target_spec(parsed.target, config)
     if spec is None:
@@ -33,12 +40,6 @@ def regenerate_main(args: list[str]) -> None:
     if parsed.cache_dir is not None:
         overrides["cache_dir"] = parsed.cache_dir
     datamodule = config_datamodule(config, **overrides)
-    if parsed.merge is not None:
-        from lightning_drafts.workflows.regenerate import merge_shards
-
-        meta = merge_shards(parsed.output, parsed.merge, overwrite=parsed.overwrite)
-        print(f"wrote {parsed.output} ({meta['counts']['rows_written']} rows)")
-        return
 
     import torch
 

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,18 @@ class Counts:
     skipped: Counter = field(default_factory=Counter)
     skipped_rows: list[dict[str, Any]] = field(default_factory=list)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Counts:
+        """The counts a metadata file recorded."""
+        return cls(
+            **{**data, "skipped": Counter(data["skipped"]), "skipped_rows": list(data["skipped_rows"])}
+        )
+
+    def add(self, other: Counts) -> None:
+        """Add ``other``'s counts (another worker's) to these, every field."""
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 @dataclass(frozen=True)
 class RegenerateOptions:
@@ -215,14 +227,13 @@ def regenerate(
         "data": _data_fingerprint(datamodule, rows),
         **(provenance or {}),
     }
-    done = _start(output, meta_path, settings, resume, overwrite)
+    done, counts = _start(output, meta_path, settings, resume, overwrite)
     tokenizer, template = datamodule.tokenizer, datamodule.chat_template
     if options.thinking in ("on", "both") and "enable_thinking" not in template:
         raise ValueError(
             f"thinking = {options.thinking!r}, but the chat template has no enable_thinking switch; "
             "leave thinking unset for this tokenizer"
         )
-    counts = _read_counts(meta_path) if done else Counts()
     batches = [rows[start : start + options.batch_size] for start in range(0, len(rows), options.batch_size)]
     mine = [(n, b) for n, b in enumerate(batches) if n % workers == index and n >= done]
     bar = tqdm(
@@ -357,17 +368,7 @@ def merge_shards(output: str | Path, workers: int, overwrite: bool = False) -> d
                 f"worker {worker} of {workers} has not finished ({path}); run or resume it first"
             )
         rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-        part = _counts_of(meta["counts"])
-        for name in (
-            "conversations",
-            "rows_written",
-            "assistant_turns",
-            "generated_tokens",
-            "turns_cut_at_max_new_tokens",
-        ):
-            setattr(counts, name, getattr(counts, name) + getattr(part, name))
-        counts.skipped += part.skipped
-        counts.skipped_rows += part.skipped_rows
+        counts.add(Counts.from_json(meta["counts"]))
         settings = {**meta["settings"], "worker": [0, 1]}
     rows.sort(key=lambda row: (row["source_row"], row.get("thinking") is False))
     counts.skipped_rows.sort(key=lambda item: item["row"])
@@ -377,20 +378,22 @@ def merge_shards(output: str | Path, workers: int, overwrite: bool = False) -> d
     return _write_metadata(metadata_path(output), settings, counts, next_batch=None, finished=True)
 
 
-def _start(output: Path, meta_path: Path, settings: dict[str, Any], resume: bool, overwrite: bool) -> int:
-    """The first batch number to run; refuses an existing output unless resuming (same settings) or
-    overwriting."""
+def _start(
+    output: Path, meta_path: Path, settings: dict[str, Any], resume: bool, overwrite: bool
+) -> tuple[int, Counts]:
+    """The first batch number to run and the counts so far; refuses an existing output unless resuming
+    (same settings) or overwriting."""
     if resume and overwrite:
         raise ValueError("pass resume or overwrite, not both")
     if not output.exists():
         if resume:
             raise FileNotFoundError(f"{output} does not exist: nothing to resume; drop --resume")
         meta_path.unlink(missing_ok=True)
-        return 0
+        return 0, Counts()
     if overwrite:
         output.unlink()
         meta_path.unlink(missing_ok=True)
-        return 0
+        return 0, Counts()
     if not resume:
         raise FileExistsError(f"{output} exists; pass --resume to continue it or --overwrite to start again")
     if not meta_path.exists():
@@ -404,14 +407,14 @@ def _start(output: Path, meta_path: Path, settings: dict[str, Any], resume: bool
             f"cannot resume {output}: these settings differ from the run that wrote it (was, now): {changed}; "
             "resume with the same settings or pass --overwrite"
         )
+    if meta["next_batch"] is None:
+        raise ValueError(f"{output} was merged from worker shards; there is nothing to resume")
     # Keep only what the metadata vouches for: a kill between the rows and the metadata, or mid-line,
     # leaves rows of a batch the metadata does not count; that batch runs again.
     lines = output.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = lines[: meta["counts"]["rows_written"]]
     output.write_text("".join(kept), encoding="utf-8")
-    if meta["next_batch"] is None:
-        raise ValueError(f"{output} was merged from worker shards; there is nothing to resume")
-    return int(meta["next_batch"])
+    return int(meta["next_batch"]), Counts.from_json(meta["counts"])
 
 
 def _data_fingerprint(datamodule: Any, rows: list[tuple[int, Any]]) -> str:
@@ -435,19 +438,3 @@ def _write_metadata(
     temporary.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     os.replace(temporary, path)
     return meta
-
-
-def _read_counts(path: Path) -> Counts:
-    return _counts_of(json.loads(path.read_text())["counts"])
-
-
-def _counts_of(data: dict[str, Any]) -> Counts:
-    return Counts(
-        conversations=data["conversations"],
-        rows_written=data["rows_written"],
-        assistant_turns=data["assistant_turns"],
-        generated_tokens=data["generated_tokens"],
-        turns_cut_at_max_new_tokens=data["turns_cut_at_max_new_tokens"],
-        skipped=Counter(data["skipped"]),
-        skipped_rows=list(data["skipped_rows"]),
-    )
