@@ -270,3 +270,14 @@ def test_vllm_regenerates_the_same_answers_as_the_transformers_engine(target, ch
     assert files["vllm"].read_text() == files["transformers"].read_text()
     with pytest.raises(ValueError, match="greedy only"):
         VLLMEngine(resolve_shipped(TARGET), eos)([Request([1, 2], 0)], Sampling(temperature=0.5))
+
+
+def test_the_data_match_refuses_bad_settings(target, chats, tmp_path):
+    with pytest.raises(ValueError, match=r"num_documents = -1; it must be >= 0 \(0 turns the check off\)"):
+        DataMatchCallback(num_documents=-1)
+    with pytest.raises(ValueError, match=r"warn_below = 2; it must be a share in \[0, 1\]"):
+        DataMatchCallback(warn_below=2)
+    datamodule = data(chats, tmp_path)
+    datamodule.setup("fit")
+    with pytest.raises(ValueError, match="num_documents = 0; it must be >= 1"):
+        target_match(target, datamodule.train_documents, num_documents=0)
