@@ -75,31 +75,40 @@ def regenerate_main(args: list[str]) -> None:
     stops = [tokenizer.eos_token_id, *(parsed.stop_token_id or [])]
     stops = [t for t in stops if t is not None]
     if parsed.engine == "vllm":
+        from transformers import AutoConfig
+
         from lightning_drafts.shipped import resolve_shipped
         from lightning_drafts.workflows.regenerate import VLLMEngine
 
         if not isinstance(spec, str):
             raise SystemExit("--engine vllm serves a target directory or hub id, not a config-dict target")
-        engine = VLLMEngine(resolve_shipped(spec), stops, parsed.vllm_python)
+        engine: Any = VLLMEngine(resolve_shipped(spec), stops, parsed.vllm_python)
+        target_config = AutoConfig.from_pretrained(resolve_shipped(spec))
     else:
         engine = TransformersEngine(frozen_target().model, datamodule.pad_token_id, stops)
+        target_config = engine.model.config
     options = RegenerateOptions(
         sampling=Sampling(parsed.temperature, parsed.top_p, parsed.max_new_tokens, parsed.seed),
         thinking=parsed.thinking,
         batch_size=parsed.batch_size,
         max_prompt_tokens=parsed.max_prompt_tokens,
+        context_tokens=getattr(target_config, "max_position_embeddings", None),
     )
     output = parsed.output if workers == 1 else shard_path(parsed.output, worker, workers)
-    meta = regenerate(
-        datamodule,
-        engine,
-        output,
-        options,
-        provenance={"target": _describe(spec), "engine": parsed.engine},
-        resume=parsed.resume,
-        overwrite=parsed.overwrite,
-        worker=(worker, workers),
-    )
+    try:
+        meta = regenerate(
+            datamodule,
+            engine,
+            output,
+            options,
+            provenance={"target": _describe(spec), "engine": parsed.engine},
+            resume=parsed.resume,
+            overwrite=parsed.overwrite,
+            worker=(worker, workers),
+        )
+    finally:
+        if parsed.engine == "vllm":
+            engine.close()  # the engine process stops with the run, also when it fails
     counts = meta["counts"]
     print(
         f"wrote {output}: {counts['rows_written']} rows, {counts['generated_tokens']:,} generated tokens, skipped {counts['skipped']}"
@@ -153,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["transformers", "vllm"],
         default="transformers",
-        help="vllm: a real vLLM engine (its environment: .ci/vllm-env), greedy only",
+        help="vllm: a real vLLM engine, kept running for the whole run (its environment: .ci/vllm-env)",
     )
     parser.add_argument(
         "--vllm-python", help="the vLLM environment's python (default: found as evaluate finds it)"

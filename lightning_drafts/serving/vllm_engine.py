@@ -162,15 +162,7 @@ def run_vllm(
         progress: show vLLM's progress bar on stderr (only when stderr is a terminal).
     """
     python = Path(python) if python is not None else find_vllm_python()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(threads) if threads is not None else os.environ.get("OMP_NUM_THREADS", "1"),
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        # One process: the offline engine otherwise spawns a worker that re-imports the runner.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # vLLM logs to stdout by default; stdout is the progress bar's, the log is kept for errors.
-        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-    }
+    env = _environment(threads)
     show = progress and sys.stderr.isatty()
     with tempfile.TemporaryDirectory(prefix="lightning-drafts-vllm-") as scratch:
         request_file, result_file = Path(scratch) / "request.json", Path(scratch) / "result.json"
@@ -203,6 +195,129 @@ def run_vllm(
                 f"last lines of its log:\n{_tail(completed.stderr)}"
             )
         return VLLMResult.from_json(json.loads(result_file.read_text()))
+
+
+def _environment(threads: int | None) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads) if threads is not None else os.environ.get("OMP_NUM_THREADS", "1"),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        # One process: the offline engine otherwise spawns a worker that re-imports the runner.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # vLLM logs to stdout by default; stdout is the progress bar's, the log is kept for errors.
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    }
+
+
+class VLLMSession:
+    """One vLLM engine kept running for many calls (``vllm_runner.py --serve``), for work that generates
+    in rounds (``regenerate``: turn ``k`` of every conversation needs turn ``k - 1``): the engine starts
+    once, not once per round. Use it as a context manager, or :meth:`close` it.
+
+    Calls are JSON lines on the runner's stdin; answers come back on a pipe of their own, so nothing vLLM
+    prints can be mistaken for one. vLLM's log goes to a temporary file, shown when a call fails.
+    """
+
+    def __init__(
+        self,
+        target: str | Path,
+        python: str | Path | None = None,
+        threads: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+    ) -> None:
+        python = Path(python) if python is not None else find_vllm_python()
+        self._scratch = tempfile.TemporaryDirectory(prefix="lightning-drafts-vllm-")
+        engine_file = Path(self._scratch.name) / "engine.json"
+        engine_file.write_text(
+            json.dumps({"target": str(target), "dtype": dtype, "max_model_len": max_model_len})
+        )
+        self._log = open(Path(self._scratch.name) / "vllm.log", "w+")  # noqa: SIM115 (closed by close())
+        read_end, write_end = os.pipe()
+        self.command = [str(python), str(RUNNER), "--serve", str(engine_file), str(write_end)]
+        try:
+            self._process = subprocess.Popen(
+                self.command,
+                env=_environment(threads),
+                stdin=subprocess.PIPE,
+                stdout=self._log,
+                stderr=self._log,
+                text=True,
+                pass_fds=(write_end,),
+            )
+        except FileNotFoundError as error:
+            raise VLLMUnavailableError(
+                f"cannot run {python}: {error}; rebuild it with .ci/vllm-env"
+            ) from error
+        finally:
+            os.close(write_end)
+        self._replies = os.fdopen(read_end, "r")
+        self._answer()  # {"ready": true} once the engine is up, or the start's error
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """The token ids generated for each prompt (a stop token, when reached, is the last one).
+        ``seeds``: one per prompt, for ``temperature > 0`` (vLLM's own per-request generator)."""
+        call = {
+            "prompts": [[int(t) for t in p] for p in prompts],
+            "max_new_tokens": int(max_new_tokens),
+            "stop_token_ids": [int(t) for t in stop_token_ids],
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "seeds": None if seeds is None else [int(s) for s in seeds],
+        }
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(json.dumps(call) + "\n")
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            self._fail("the engine had exited")
+        return [list(g) for g in self._answer()["generations"]]
+
+    def _answer(self) -> dict[str, Any]:
+        line = self._replies.readline()
+        if not line:
+            self._process.wait()
+            self._fail(f"the engine exited ({self._process.returncode}) without answering")
+        answer = json.loads(line)
+        if "error" in answer:
+            self._fail(answer["error"])
+        return answer
+
+    def _fail(self, what: str) -> None:
+        self._log.flush()
+        self._log.seek(0)
+        log = self._log.read()
+        self.close()
+        raise VLLMRunError(
+            f"vLLM failed: {what}\ncommand: {' '.join(self.command)}\nlast lines of its log:\n{_tail(log)}"
+        )
+
+    def close(self) -> None:
+        """Stop the engine (its stdin closes, it returns) and remove its scratch files."""
+        if self._process.stdin is not None and not self._process.stdin.closed:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._replies.close()
+        self._log.close()
+        self._scratch.cleanup()
+
+    def __enter__(self) -> VLLMSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _tail(log: str | bytes | None) -> str:

@@ -3,7 +3,8 @@
 It runs in vLLM's own Python environment, where this project is not installed, so it imports only vLLM,
 tqdm (which vLLM ships with) and the standard library, never ``lightning_drafts``. The project side is
 :mod:`lightning_drafts.serving.vllm_engine`, which writes the request, launches
-``python vllm_runner.py REQUEST.json RESULT.json`` and reads the result.
+``python vllm_runner.py REQUEST.json RESULT.json`` and reads the result, or keeps one engine running with
+``python vllm_runner.py --serve ENGINE.json REPLY_FD`` (:class:`~lightning_drafts.serving.vllm_engine.VLLMSession`).
 
 Request (JSON object):
     target: a directory (or hub id) vLLM loads as the target model.
@@ -22,6 +23,12 @@ Result (JSON object): ``vllm_version``; ``generations`` (token ids per prompt); 
 ``accepted_per_position`` (vLLM's ``spec_decode_num_drafts`` and ``spec_decode_num_accepted_tokens_per_pos``
 counters); ``per_request`` (per prompt, the accepted and drafted count of every verify round, from vLLM's
 detailed per-request metrics); ``seconds`` (engine start, generation).
+
+Serve mode: ENGINE.json holds ``target`` (and optionally ``dtype``, ``max_model_len``); the engine starts
+once, then every line on stdin is a JSON call ``{"prompts", "max_new_tokens", "stop_token_ids",
+"temperature", "top_p", "seeds"}`` (``seeds``: one per prompt, or null) and its answer, one JSON line
+``{"generations"}`` or ``{"error"}``, is written to the file descriptor REPLY_FD (stdout is not used for it:
+vLLM and its libraries may print there). A first line ``{"ready": true}`` says the engine has started.
 """
 
 from __future__ import annotations
@@ -132,9 +139,57 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _call_parameters(call: dict[str, Any]) -> list[Any]:
+    """One ``SamplingParams`` per prompt: each sampled prompt draws from its own seeded generator, so what
+    it generates does not depend on the other prompts of the call."""
+    from vllm import SamplingParams
+
+    seeds = call.get("seeds") or [None] * len(call["prompts"])
+    temperature = float(call.get("temperature", 0.0))
+    return [
+        SamplingParams(
+            temperature=temperature,
+            top_p=float(call.get("top_p", 1.0)) if temperature > 0 else 1.0,
+            seed=None if temperature == 0 or seed is None else int(seed),
+            max_tokens=int(call["max_new_tokens"]),
+            stop_token_ids=[int(t) for t in call.get("stop_token_ids") or []],
+            detokenize=False,
+        )
+        for seed in seeds
+    ]
+
+
+def serve(engine: dict[str, Any], calls: Any, reply: Any) -> None:
+    """Start the engine once, then answer each call line of ``calls`` with one line on ``reply``."""
+    from vllm import LLM
+
+    llm = LLM(**_engine_arguments(engine))
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in calls:
+        if not line.strip():
+            continue
+        try:
+            call = json.loads(line)
+            prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in call["prompts"]]
+            outputs = llm.generate(prompts, _call_parameters(call), use_tqdm=False)
+            answer: dict[str, Any] = {"generations": [list(o.outputs[0].token_ids) for o in outputs]}
+        except Exception as error:  # the caller raises it with the engine's log; the engine stays up
+            answer = {"error": f"{type(error).__name__}: {error}"}
+        print(json.dumps(answer), file=reply, flush=True)
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "--serve":
+        with open(argv[1]) as handle:
+            engine = json.load(handle)
+        with os.fdopen(int(argv[2]), "w") as reply:
+            serve(engine, sys.stdin, reply)
+        return 0
     if len(argv) != 2:
-        print("usage: python vllm_runner.py REQUEST.json RESULT.json", file=sys.stderr)
+        print(
+            "usage: python vllm_runner.py REQUEST.json RESULT.json | --serve ENGINE.json REPLY_FD",
+            file=sys.stderr,
+        )
         return 2
     with open(argv[0]) as handle:
         request = json.load(handle)

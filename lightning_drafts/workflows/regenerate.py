@@ -15,8 +15,9 @@ so what a batch generates never depends on where a run started, which worker ran
   :func:`merge_shards` orders the rows by source row: the same file as one worker.
 
 Sampling (``temperature > 0``) is seeded per conversation turn (``seed``, row, turn), for the same reason.
-A row that cannot be continued (not a conversation, a prompt longer than ``max_prompt_tokens``, an
-empty user turn) is not written; it is counted by reason and named in the metadata, never dropped silently.
+A row that cannot be continued (not a conversation, a prompt longer than ``max_prompt_tokens`` or too
+long to leave ``max_new_tokens`` in the target's context, an empty user turn) is not written; it is
+counted by reason and named in the metadata, never dropped silently.
 """
 
 from __future__ import annotations
@@ -121,34 +122,54 @@ class TransformersEngine:
 
 
 class VLLMEngine:
-    """Greedy generation by a real vLLM engine in its own environment
-    (:func:`~lightning_drafts.serving.vllm_engine.run_vllm`): one engine per call, serving every request of
-    the call together, so give it large batches (``batch_size``). Greedy only: its sampled tokens would
-    come from vLLM's own generator, not from the per-turn seeds."""
+    """Generation by a real vLLM engine in its own environment
+    (:class:`~lightning_drafts.serving.vllm_engine.VLLMSession`), started at the first call and kept for
+    every later one; use it as a context manager (or :meth:`close` it) so the engine stops.
+
+    Greedy turns are the transformers engine's token for token (tested). Sampled turns use vLLM's own
+    generator under the same per-(seed, row, turn) seeds, so they are reproducible and independent of the
+    batch, but not the tokens the transformers engine would sample.
+    """
 
     def __init__(
-        self, target: str | Path, stop_token_ids: Iterable[int], python: str | Path | None = None
+        self,
+        target: str | Path,
+        stop_token_ids: Iterable[int],
+        python: str | Path | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.target = str(target)
         self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
         self.python = python
+        self.max_model_len = max_model_len
+        self._session: Any = None
 
     def __call__(self, requests: Sequence[Request], sampling: Sampling) -> list[list[int]]:
-        from lightning_drafts.serving.vllm_engine import VLLMRequest, run_vllm
+        from lightning_drafts.serving.vllm_engine import VLLMSession
 
-        if sampling.temperature != 0:
-            raise ValueError(
-                f"temperature = {sampling.temperature}: the vLLM engine of regenerate is greedy only; use "
-                "temperature 0 or the transformers engine"
-            )
-        request = VLLMRequest(
-            target=self.target,
-            prompts=[r.prompt for r in requests],
-            max_new_tokens=sampling.max_new_tokens,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=False,
+        if self._session is None:
+            self._session = VLLMSession(self.target, self.python, max_model_len=self.max_model_len)
+        generations = self._session.generate(
+            [r.prompt for r in requests],
+            sampling.max_new_tokens,
+            self.stop_token_ids,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seeds=[r.seed for r in requests],
         )
-        return [_until_stop(t, self.stop_token_ids) for t in run_vllm(request, self.python).generations]
+        return [_until_stop(t, self.stop_token_ids) for t in generations]
+
+    def close(self) -> None:
+        """Stop the engine, if one was started."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
@@ -191,12 +212,32 @@ class RegenerateOptions:
     thinking: str | None = None
     batch_size: int = 8
     max_prompt_tokens: int = 4096
+    # The target's context (its max_position_embeddings): a turn must fit its prompt and max_new_tokens in
+    # it, as a serving engine refuses a prompt that does not (None: no bound).
+    context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.thinking not in THINKING_MODES:
             raise ValueError(f"thinking = {self.thinking!r}; choose one of {THINKING_MODES}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size = {self.batch_size}; it must be >= 1")
+        if self.context_tokens is not None and self.context_tokens <= self.sampling.max_new_tokens:
+            raise ValueError(
+                f"context_tokens = {self.context_tokens} leaves no room for a prompt with max_new_tokens = "
+                f"{self.sampling.max_new_tokens}; lower max_new_tokens"
+            )
+
+    def prompt_limit(self) -> tuple[int, str]:
+        """The longest prompt a turn may have, and the reason a longer one is not regenerated."""
+        limit = self.max_prompt_tokens
+        reason = f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
+        if self.context_tokens is not None and self.context_tokens - self.sampling.max_new_tokens < limit:
+            limit = self.context_tokens - self.sampling.max_new_tokens
+            reason = (
+                f"prompt + max_new_tokens={self.sampling.max_new_tokens} longer than the target's context "
+                f"({self.context_tokens} tokens)"
+            )
+        return limit, reason
 
 
 def regenerate(
@@ -290,6 +331,7 @@ def _regenerate_batch(
         jobs += [(row, mode, list(messages), []) for mode in modes]
     finished, turn = [], 0
     encode = tokenizer.backend_tokenizer.encode
+    limit, too_long = options.prompt_limit()
     while jobs:
         requests, waiting, still = [], [], []
         for job in jobs:
@@ -303,10 +345,9 @@ def _regenerate_batch(
             prompt = encode(
                 render_prompt(so_far, template, tokenizer, **kwargs), add_special_tokens=False
             ).ids
-            if len(prompt) > options.max_prompt_tokens:
-                reason = f"prompt longer than max_prompt_tokens={options.max_prompt_tokens}"
-                counts.skipped[reason] += 1
-                counts.skipped_rows.append({"row": row, "reason": reason, "turn": len(so_far)})
+            if len(prompt) > limit:
+                counts.skipped[too_long] += 1
+                counts.skipped_rows.append({"row": row, "reason": too_long, "turn": len(so_far)})
                 continue
             requests.append(Request(prompt, _seed(options.sampling.seed, row, turn, mode)))
             waiting.append(job)

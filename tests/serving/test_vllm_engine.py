@@ -16,6 +16,7 @@ from lightning_drafts.serving.vllm_engine import (
     VLLM_PYTHON_ENV,
     VLLMRequest,
     VLLMRunError,
+    VLLMSession,
     VLLMUnavailableError,
     find_vllm_python,
     run_vllm,
@@ -50,6 +51,15 @@ def test_a_failed_run_reports_its_command_and_log():
     assert "vllm_runner.py" in message and sys.executable in message
     assert "No module named 'vllm'" in message
     assert '"method": "eagle3"' in message
+
+
+def test_a_session_whose_engine_cannot_start_reports_its_command_and_log():
+    # As above: the runner's serve mode fails on its vLLM import before answering "ready".
+    with pytest.raises(VLLMRunError) as failure:
+        VLLMSession("t", python=sys.executable)
+    message = str(failure.value)
+    assert "the engine exited (1) without answering" in message
+    assert "--serve" in message and "No module named 'vllm'" in message
 
 
 def test_an_architecture_vllm_does_not_load_is_refused_by_name():

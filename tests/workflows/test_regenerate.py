@@ -4,6 +4,7 @@ match check that tells a fit whether its answers are the target's."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from lightning_drafts.cli.main import main as cli_main
 from lightning_drafts.cli.main import run_cli
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.training.data_match import target_match
 from lightning_drafts.training.target import FrozenTarget
 from lightning_drafts.workflows.regenerate import (
@@ -192,6 +194,36 @@ def test_bad_requests_are_refused_with_the_fix(target, chats, tmp_path):
     with pytest.warns(UserWarning, match="prompt longer than max_prompt_tokens=12"):
         meta = regenerate(datamodule, engine(target, datamodule), tmp_path / "s.jsonl", short, progress=False)
     assert meta["counts"]["skipped"]["prompt longer than max_prompt_tokens=12"] >= 1
+    with pytest.raises(
+        ValueError, match="context_tokens = 8 leaves no room for a prompt with max_new_tokens = 8"
+    ):
+        RegenerateOptions(Sampling(max_new_tokens=8), context_tokens=8)
+
+
+def test_a_turn_that_does_not_fit_the_targets_context_is_counted_not_generated(target, chats, tmp_path):
+    """A serving engine refuses a prompt whose generation would pass the target's context: such a row is
+    not regenerated, and counted with the reason."""
+    datamodule = data(chats, tmp_path)
+    tokenizer = datamodule.tokenizer
+    prompts = []  # the first turn's prompt length of every answerable conversation
+    for _, messages in datamodule.conversations():
+        if all(m["content"].strip() for m in messages):
+            first = messages[: [m["role"] for m in messages].index("assistant")]
+            text = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+            prompts.append(len(tokenizer(text, add_special_tokens=False).input_ids))
+    context = min(prompts) + 4 + 1  # room for the shortest first turn and 4 new tokens, not for the longer
+    options = RegenerateOptions(Sampling(max_new_tokens=4), context_tokens=context)
+    reason = f"prompt + max_new_tokens=4 longer than the target's context ({context} tokens)"
+    with pytest.warns(UserWarning, match=re.escape(reason)):
+        meta = regenerate(
+            datamodule, engine(target, datamodule), tmp_path / "c.jsonl", options, progress=False
+        )
+    too_long = sum(length > context - 4 for length in prompts)
+    assert 0 < too_long < len(prompts)
+    assert meta["counts"]["skipped"][reason] >= too_long
+    assert all(
+        len(row["messages"]) for row in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())
+    )
 
 
 def test_the_data_match_is_total_on_regenerated_answers_and_fit_logs_it(target, chats, tmp_path):
@@ -259,17 +291,37 @@ def test_vllm_regenerates_the_same_answers_as_the_transformers_engine(target, ch
     datamodule = data(chats, tmp_path)
     options = RegenerateOptions(Sampling(max_new_tokens=12), batch_size=len(CONVERSATIONS))
     eos = [datamodule.tokenizer.eos_token_id]
-    files = {}
-    for name, engine_of in (
-        ("transformers", lambda: engine(target, datamodule)),
-        ("vllm", lambda: VLLMEngine(resolve_shipped(TARGET), eos, vllm_python())),
-    ):
-        files[name] = tmp_path / f"{name}.jsonl"
-        with pytest.warns(UserWarning, match="empty user turn"):
-            regenerate(datamodule, engine_of(), files[name], options, progress=False)
+    files = {name: tmp_path / f"{name}.jsonl" for name in ("transformers", "vllm")}
+    with VLLMEngine(resolve_shipped(TARGET), eos, vllm_python()) as vllm:
+        for name, generator in (("transformers", engine(target, datamodule)), ("vllm", vllm)):
+            with pytest.warns(UserWarning, match="empty user turn"):
+                regenerate(datamodule, generator, files[name], options, progress=False)
     assert files["vllm"].read_text() == files["transformers"].read_text()
-    with pytest.raises(ValueError, match="greedy only"):
-        VLLMEngine(resolve_shipped(TARGET), eos)([Request([1, 2], 0)], Sampling(temperature=0.5))
+
+
+def test_vllm_sampled_answers_depend_on_the_seed_not_on_the_batch(chats, tmp_path):
+    """Sampled turns under vLLM: one engine for the whole run, each turn drawn by vLLM's own generator
+    under the turn's seed, so the file does not depend on how rows were batched."""
+    from lightning_drafts.shipped import resolve_shipped
+    from lightning_drafts.workflows.regenerate import VLLMEngine
+    from tests.vllm_subprocess import vllm_python
+
+    datamodule = data(chats, tmp_path)
+    eos = [datamodule.tokenizer.eos_token_id]
+    runs = {}
+    with VLLMEngine(resolve_shipped(TARGET), eos, vllm_python()) as vllm:
+        for name, batch_size, seed in (("a", 1, 5), ("b", 4, 5), ("c", 4, 6)):
+            options = RegenerateOptions(
+                Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed), batch_size=batch_size
+            )
+            with pytest.warns(UserWarning, match="empty user turn"):
+                regenerate(datamodule, vllm, tmp_path / f"{name}.jsonl", options, progress=False)
+            runs[name] = (tmp_path / f"{name}.jsonl").read_text()
+        # A call vLLM refuses (a prompt past the target's context) is raised with vLLM's own reason.
+        with pytest.raises(VLLMRunError, match="maximum context length"):
+            vllm([Request([1] * 5000, 0)], Sampling(max_new_tokens=4))
+    assert runs["a"] == runs["b"]
+    assert runs["a"] != runs["c"]
 
 
 def test_the_data_match_refuses_bad_settings(target, chats, tmp_path):
