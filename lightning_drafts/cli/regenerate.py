@@ -93,6 +93,7 @@ def regenerate_main(args: list[str]) -> None:
         batch_size=parsed.batch_size,
         max_prompt_tokens=parsed.max_prompt_tokens,
         context_tokens=getattr(target_config, "max_position_embeddings", None),
+        max_conversation_tokens=_conversation_bound(parsed.max_conversation_tokens, datamodule),
     )
     output = parsed.output if workers == 1 else shard_path(parsed.output, worker, workers)
     try:
@@ -111,8 +112,17 @@ def regenerate_main(args: list[str]) -> None:
             engine.close()  # the engine process stops with the run, also when it fails
     counts = meta["counts"]
     print(
-        f"wrote {output}: {counts['rows_written']} rows, {counts['generated_tokens']:,} generated tokens, skipped {counts['skipped']}"
+        f"wrote {output}: {counts['rows_written']} rows, {counts['generated_tokens']:,} generated tokens, "
+        f"skipped {counts['skipped']}, ended early {counts['ended_early']}"
     )
+
+
+def _conversation_bound(given: int | None, datamodule: Any) -> int | None:
+    """``--max-conversation-tokens``; by default the data's ``max_tokens`` where training truncates
+    documents there (``long_documents: drop`` drops them whole: no turn of them would be trained on)."""
+    if given is not None:
+        return given or None
+    return datamodule.max_tokens if datamodule.long_documents == "truncate" else None
 
 
 def _worker(text: str) -> tuple[int, int]:
@@ -145,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn")
     parser.add_argument(
         "--max-prompt-tokens", type=int, default=4096, help="longer prompts are skipped, counted"
+    )
+    parser.add_argument(
+        "--max-conversation-tokens",
+        type=int,
+        default=None,
+        help="end a conversation at the turn whose prompt reaches N tokens (default: the config's data "
+        "max_tokens, where training truncates it; 0: only the target's context bounds it)",
     )
     parser.add_argument(
         "--thinking", choices=["on", "off", "both"], help="enable_thinking of templates that have it"

@@ -15,9 +15,11 @@ so what a batch generates never depends on where a run started, which worker ran
   :func:`merge_shards` orders the rows by source row: the same file as one worker.
 
 Sampling (``temperature > 0``) is seeded per conversation turn (``seed``, row, turn), for the same reason.
-A row that cannot be continued (not a conversation, a prompt longer than ``max_prompt_tokens`` or too
-long to leave ``max_new_tokens`` in the target's context, an empty user turn) is not written; it is
-counted by reason and named in the metadata, never dropped silently.
+A row that cannot be answered (not a conversation, an empty user turn, a first prompt longer than
+``max_prompt_tokens``, too long to leave ``max_new_tokens`` in the target's context, or already at
+``max_conversation_tokens``) is not written; it is counted by reason and named in the metadata, never
+dropped silently. A conversation that meets one of the last three at a later turn is written up to its
+last generated turn and counted (``ended_early``) by reason.
 """
 
 from __future__ import annotations
@@ -190,12 +192,19 @@ class Counts:
     turns_cut_at_max_new_tokens: int = 0
     skipped: Counter = field(default_factory=Counter)
     skipped_rows: list[dict[str, Any]] = field(default_factory=list)
+    # Conversations written with their turns up to the one that could not be generated, by reason.
+    ended_early: Counter = field(default_factory=Counter)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Counts:
         """The counts a metadata file recorded."""
         return cls(
-            **{**data, "skipped": Counter(data["skipped"]), "skipped_rows": list(data["skipped_rows"])}
+            **{
+                **data,
+                "skipped": Counter(data["skipped"]),
+                "skipped_rows": list(data["skipped_rows"]),
+                "ended_early": Counter(data.get("ended_early", {})),  # absent before it was counted
+            }
         )
 
     def add(self, other: Counts) -> None:
@@ -215,12 +224,19 @@ class RegenerateOptions:
     # The target's context (its max_position_embeddings): a turn must fit its prompt and max_new_tokens in
     # it, as a serving engine refuses a prompt that does not (None: no bound).
     context_tokens: int | None = None
+    # Training truncates each document at the data module's max_tokens: a turn whose prompt already holds
+    # that many tokens would never be trained on, so the conversation ends before it (None: no bound).
+    max_conversation_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.thinking not in THINKING_MODES:
             raise ValueError(f"thinking = {self.thinking!r}; choose one of {THINKING_MODES}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size = {self.batch_size}; it must be >= 1")
+        if self.max_conversation_tokens is not None and self.max_conversation_tokens < 1:
+            raise ValueError(
+                f"max_conversation_tokens = {self.max_conversation_tokens}; it must be >= 1 (None: no bound)"
+            )
         if self.context_tokens is not None and self.context_tokens <= self.sampling.max_new_tokens:
             raise ValueError(
                 f"context_tokens = {self.context_tokens} leaves no room for a prompt with max_new_tokens = "
@@ -345,9 +361,19 @@ def _regenerate_batch(
             prompt = encode(
                 render_prompt(so_far, template, tokenizer, **kwargs), add_special_tokens=False
             ).ids
-            if len(prompt) > limit:
-                counts.skipped[too_long] += 1
-                counts.skipped_rows.append({"row": row, "reason": too_long, "turn": len(so_far)})
+            stop = too_long if len(prompt) > limit else None
+            if options.max_conversation_tokens is not None and len(prompt) >= options.max_conversation_tokens:
+                stop = f"prompt reached max_conversation_tokens={options.max_conversation_tokens}"
+            if stop is not None:
+                if any(m["role"] == "assistant" for m in so_far):
+                    # What was generated is kept: the conversation ends at its last generated turn.
+                    while so_far[-1]["role"] != "assistant":
+                        so_far.pop()
+                    counts.ended_early[stop] += 1
+                    finished.append(job)
+                else:
+                    counts.skipped[stop] += 1
+                    counts.skipped_rows.append({"row": row, "reason": stop, "turn": len(so_far)})
                 continue
             requests.append(Request(prompt, _seed(options.sampling.seed, row, turn, mode)))
             waiting.append(job)
@@ -471,7 +497,11 @@ def _write_metadata(
 ) -> dict[str, Any]:
     meta = {
         "settings": settings,
-        "counts": {**asdict(counts), "skipped": dict(counts.skipped)},
+        "counts": {
+            **asdict(counts),
+            "skipped": dict(counts.skipped),
+            "ended_early": dict(counts.ended_early),
+        },
         "next_batch": next_batch,
         "finished": finished,
     }

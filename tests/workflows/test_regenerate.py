@@ -226,6 +226,39 @@ def test_a_turn_that_does_not_fit_the_targets_context_is_counted_not_generated(t
     )
 
 
+def test_a_conversation_ends_at_the_first_turn_past_max_conversation_tokens(target, chats, tmp_path):
+    """Turns whose prompt already holds max_conversation_tokens (where training truncates) are not
+    generated: the row keeps the turns before, as the unbounded run wrote them, and is counted."""
+    datamodule = data(chats, tmp_path)
+    options = RegenerateOptions(Sampling(max_new_tokens=4), batch_size=3)
+    with pytest.warns(UserWarning):
+        regenerate(datamodule, engine(target, datamodule), tmp_path / "all.jsonl", options, progress=False)
+    full = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    tokenizer = datamodule.tokenizer
+    first_prompts = []
+    for row in full:
+        first = row["messages"][: [m["role"] for m in row["messages"]].index("assistant")]
+        text = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+        first_prompts.append(len(tokenizer(text, add_special_tokens=False).input_ids))
+    bound = max(first_prompts) + 1  # every first turn fits; every second turn's prompt is longer
+    bounded = RegenerateOptions(Sampling(max_new_tokens=4), batch_size=3, max_conversation_tokens=bound)
+    with pytest.warns(UserWarning):
+        meta = regenerate(
+            datamodule, engine(target, datamodule), tmp_path / "b.jsonl", bounded, progress=False
+        )
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    multi_turn = [r["source_row"] for r in full if sum(m["role"] == "assistant" for m in r["messages"]) > 1]
+    assert multi_turn == [2, 6]
+    assert meta["counts"]["ended_early"] == {f"prompt reached max_conversation_tokens={bound}": 2}
+    for whole, cut in zip(full, rows, strict=True):
+        assert cut["source_row"] == whole["source_row"]
+        keep = [m["role"] for m in whole["messages"]].index("assistant") + 1
+        expected = whole["messages"][:keep] if whole["source_row"] in multi_turn else whole["messages"]
+        assert cut["messages"] == expected
+    with pytest.raises(ValueError, match="max_conversation_tokens = 0; it must be >= 1"):
+        RegenerateOptions(max_conversation_tokens=0)
+
+
 def test_the_data_match_is_total_on_regenerated_answers_and_fit_logs_it(target, chats, tmp_path):
     datamodule = data(chats, tmp_path)
     output = tmp_path / "answers.jsonl"
