@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_drafts.cli.fit_config import read_config, target_spec
+from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
@@ -31,8 +31,10 @@ DEFAULT_VAL_FRACTION = 0.02
 
 
 def evaluate_main(args: list[str]) -> None:
-    parsed = _parser().parse_args(args)
-    config = read_config(parsed.config) if parsed.config else {}
+    parsed, overrides = _parser().parse_known_args(args)
+    if overrides and not parsed.config:
+        raise SystemExit(f"{overrides[0]}: config overrides need --config")
+    config = read_config_with_overrides(parsed.config, overrides) if parsed.config else {}
     target, seed = target_spec(parsed.target, config)
     report = evaluate_export(
         parsed.export_dir,

@@ -1,9 +1,12 @@
 """A ``fit`` config read outside LightningCLI, by the subcommands that reuse its target and data
-(``evaluate``, ``regenerate``) without building its draft."""
+(``evaluate``, ``regenerate``) without building its draft (a real target is large, and these need only its
+id and the data settings). They take ``fit``'s dotted overrides too (``--data.init_args.max_documents=100``),
+so one config and the same command-line changes serve every subcommand."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,36 @@ def read_config(path: str | Path) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load(path.read_text()) or {}
+
+
+def read_config_with_overrides(path: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """The config at ``path`` with ``overrides`` applied: ``--a.b.c=VALUE`` or ``--a.b.c VALUE`` items, as
+    ``fit`` takes them (the value read as YAML: ``100`` an int, ``[a, b]`` a list, ``null`` None)."""
+    import yaml
+
+    config = read_config(path)
+    items = list(overrides)
+    while items:
+        item = items.pop(0)
+        key, equals, value = item.partition("=")
+        if not key.startswith("--") or "." not in key:
+            raise ValueError(
+                f"unknown argument {item!r}; a config override is written --section.key=VALUE, e.g. "
+                "--data.init_args.max_documents=100"
+            )
+        if not equals:
+            if not items or items[0].startswith("--"):
+                raise ValueError(f"{key} needs a value: {key}=VALUE")
+            value = items.pop(0)
+        *parents, leaf = key[2:].split(".")
+        section = config
+        for name in parents:
+            child = section.setdefault(name, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{key}: {name} is {child!r} in {path}, not a section to set {leaf} in")
+            section = child
+        section[leaf] = yaml.safe_load(value)
+    return config
 
 
 def target_spec(target: str | None, config: dict[str, Any]) -> tuple[Any, int | None]:

@@ -7,7 +7,8 @@ Examples::
     lightning-drafts regenerate --config FIT.yaml --output answers.jsonl --worker 0/2      # two workers,
     lightning-drafts regenerate --config FIT.yaml --output answers.jsonl --worker 1/2      # then
     lightning-drafts regenerate --config FIT.yaml --output answers.jsonl --merge 2
-    lightning-drafts regenerate --config FIT.yaml --check                                  # data match only
+    lightning-drafts regenerate --config FIT.yaml --output answers.jsonl --engine vllm --batch-size 256
+    lightning-drafts regenerate --config FIT.yaml --check 16                               # data match only
 
 Then train on the output: ``lightning-drafts fit --config FIT.yaml --data.init_args.data_files answers.jsonl``.
 """
@@ -18,11 +19,11 @@ import argparse
 import json
 from typing import Any
 
-from lightning_drafts.cli.fit_config import config_datamodule, read_config, target_spec
+from lightning_drafts.cli.fit_config import config_datamodule, read_config_with_overrides, target_spec
 
 
 def regenerate_main(args: list[str]) -> None:
-    parsed = _parser().parse_args(args)
+    parsed, overrides = _parser().parse_known_args(args)
     # Merging reads only the workers' files: no target, tokenizer or data to load.
     if parsed.merge is not None:
         from lightning_drafts.workflows.regenerate import merge_shards
@@ -30,7 +31,7 @@ def regenerate_main(args: list[str]) -> None:
         meta = merge_shards(parsed.output, parsed.merge, overwrite=parsed.overwrite)
         print(f"wrote {parsed.output} ({meta['counts']['rows_written']} rows)")
         return
-    config = read_config(parsed.config)
+    config = read_config_with_overrides(parsed.config, overrides)
     spec, seed = target_spec(parsed.target, config)
     if spec is None:
         raise SystemExit(f"{parsed.config} names no model.init_args.target; pass --target")
