@@ -55,6 +55,25 @@ def main() -> None:
                     f"{statistics.mean(values):.4f} ± {spread:.4f} ({min(values):.4f}-{max(values):.4f})"
                 )
         print("| mean ± sd (min-max) | " + " | ".join(cells) + " |")
+    paired(runs)
+
+
+def paired(runs: dict[str, dict[int, dict]]) -> None:
+    """Each other dtype minus the first, seed by seed (the same seed draws the same initial draft, so the
+    pairs cancel part of the run-to-run noise)."""
+    names = list(runs)
+    for other in names[1:]:
+        base, seeds = names[0], sorted(set(runs[names[0]]) & set(runs[other]))
+        if len(seeds) < 2:
+            continue
+        print(f"\n{other} minus {base}, paired by seed ({len(seeds)} seeds): mean ± sd of the differences")
+        for tag in TAGS:
+            steps = sorted(set.intersection(*(set(runs[n][s][tag]) for n in (base, other) for s in seeds)))
+            cells = []
+            for step in steps:
+                deltas = [runs[other][s][tag][step] - runs[base][s][tag][step] for s in seeds]
+                cells.append(f"step {step}: {statistics.mean(deltas):+.4f} ± {statistics.stdev(deltas):.4f}")
+            print(f"- {tag}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":
