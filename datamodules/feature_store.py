@@ -180,7 +180,10 @@ class FeatureStore:
             if documents is None:
                 continue
             if captured is None:
-                raise ValueError(f"{self.directory} holds no features for {source}; capture with this data")
+                raise ValueError(
+                    f"{self.directory} holds no features for {source} (it was captured without them); run "
+                    f"`lightning-drafts capture` again with this {source} into a new directory"
+                )
             digest = documents_digest(documents)
             if captured["documents_digest"] != digest:
                 raise ValueError(

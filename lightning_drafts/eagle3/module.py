@@ -255,7 +255,11 @@ class Eagle3Base(DraftModule):
             raise ValueError("EAGLE-3 trains every supervised slot and takes no anchors; pass anchors=None")
         packed = self.prepare_batch(batch)
         self._require_vocab_mapping()
-        teacher = self.teacher_signal(packed)
+        return self.loss_from_teacher(packed, self.teacher_signal(packed))
+
+    def loss_from_teacher(self, packed: PackedBatch, teacher: TeacherSignal) -> DraftOutput:
+        """The TTT loss and chains of ``packed`` against ``teacher`` (what :meth:`compute_loss` computes
+        from :meth:`teacher_signal`; benchmarks/teacher_storage.py passes a teacher read from disk)."""
         supervision = ttt_supervision(packed, teacher, self.hparams.ttt_length)
         return eagle3_objective(
             self.draft.compute_logits,
@@ -300,16 +304,31 @@ class Eagle3Base(DraftModule):
         the matmul, from the final hidden state there, so any draft vocabulary trains from one capture)."""
         output = self.target_output(packed, self.target_layer_ids)
         aux = torch.cat(output.hidden_states, dim=-1)
+        last = output.final_states(packed.loss_mask)
+        if not self.compresses_vocab:
+            return self.teacher_from_logits(packed, aux, self.target.logits(last))
+        logits = self.target.logits(last, self.draft.selected_token_ids)
+        return self.teacher_from_logits(packed, aux, logits, self.target.greedy_tokens(last))
+
+    def teacher_from_logits(
+        self, packed: PackedBatch, aux: Tensor, logits: Tensor, greedy: Tensor | None = None
+    ) -> TeacherSignal:
+        """The teacher from its logits over the draft vocabulary at the loss-mask positions (row-major,
+        ``[N, V_d]``) and the target's full-vocabulary greedy token there (``[N]``; only ``None`` when the
+        draft vocabulary is the full one, where every greedy token is in it)."""
         supervised = packed.loss_mask
         row = torch.cumsum(supervised.reshape(-1), 0).reshape(supervised.shape) - 1
         row = row.masked_fill(~supervised, -1)
-        last = output.final_states(supervised)
         in_vocab = torch.zeros_like(supervised)
-        if not self.compresses_vocab:
+        if greedy is None:
+            if self.compresses_vocab:
+                raise ValueError(
+                    f"draft_vocab_size={self.hparams.draft_vocab_size} compresses the vocabulary, so the teacher "
+                    "needs the target's greedy token at each supervised position (greedy); pass it"
+                )
             in_vocab[supervised] = True
-            return TeacherSignal(aux, self.target.logits(last), row, in_vocab)
-        logits = self.target.logits(last, self.draft.selected_token_ids)
-        in_vocab[supervised] = self.draft.t2d[self.target.greedy_tokens(last)]
+        else:
+            in_vocab[supervised] = self.draft.t2d[greedy]
         return TeacherSignal(aux, logits, row, in_vocab)
 
     def feature_request(self) -> FeatureRequest:

@@ -46,9 +46,10 @@ class DraftModule(L.LightningModule):
             instead of replicating it on every rank (for targets that do not fit one device).
         activation_checkpointing: recompute each draft decoder layer's activations in backward (any
             strategy; not EAGLE-3, whose one layer appends to the TTT cache as it runs).
-        target_decoder: keep the target's decoder layers. ``False`` frees their weights after the target
-            is built (it still loads once): for training from a features directory only, where the target's
-            embedding, final norm and LM head are all a draft reads; a batch without features is refused.
+        target_decoder: keep the target's decoder layers. ``False``: a checkpoint target is loaded without
+            them (their weights are never read; a config-dict target is built whole and freed): for
+            training from a features directory only, where the target's embedding, final norm and LM head
+            are all a draft reads; a batch without features is refused.
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
@@ -83,10 +84,12 @@ class DraftModule(L.LightningModule):
         self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
         target = _with_tokenizer_vocab(target, tokenizer_vocab_size)
         self.target = FrozenTarget(
-            target, attn_backend=target_attn_backend, dtype=target_dtype, seed=target_seed
+            target,
+            attn_backend=target_attn_backend,
+            dtype=target_dtype,
+            seed=target_seed,
+            decoder=target_decoder,
         )
-        if not target_decoder:
-            self.target.release_decoder()
         if tokenizer_vocab_size is not None and tokenizer_vocab_size > self.target.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tokenizer_vocab_size} tokens but the target's vocabulary has "

@@ -25,6 +25,7 @@ from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.target_features import TargetFeatures
 from lightning_drafts.shipped import resolve_shipped
+from lightning_drafts.training.decoderless import load_without_decoder
 
 TargetSpec = str | dict | PreTrainedModel
 
@@ -89,10 +90,12 @@ class TargetOutput:
 
 
 def build_causal_lm(
-    spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0
+    spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0, decoder: bool = True
 ) -> PreTrainedModel:
     """A causal LM from a hub id / local path / ``shipped:<name>``, a config dict (random weights, seeded),
-    or an instance."""
+    or an instance. ``decoder=False`` loads a checkpoint (hub id / path) without its decoder layers
+    (:mod:`lightning_drafts.training.decoderless`); a config dict or an instance is built whole (random
+    weights are drawn in the full model's order)."""
     if isinstance(spec, PreTrainedModel):
         return spec
     if isinstance(spec, dict):
@@ -108,6 +111,8 @@ def build_causal_lm(
             model = AutoModelForCausalLM.from_config(config, dtype=as_dtype(dtype))
         return model
     if isinstance(spec, str):
+        if not decoder:
+            return load_without_decoder(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
         return AutoModelForCausalLM.from_pretrained(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
     raise ValueError(
         f"target must be a hub id / local path (str), a config dict or a transformers PreTrainedModel, "
@@ -126,6 +131,10 @@ class FrozenTarget(nn.Module):
             once the device is known; an unavailable explicit choice raises.
         dtype: parameter dtype (``None`` keeps the model's / checkpoint's).
         seed: the seed of random weights built from a config dict.
+        decoder: keep the decoder layers. ``False``: a checkpoint is loaded without them (never read from
+            disk); a config dict or an instance is built whole and its decoder weights freed
+            (:meth:`release_decoder`). Either way only the embedding, final norm and LM head remain and a
+            forward is refused.
     """
 
     def __init__(
@@ -134,12 +143,15 @@ class FrozenTarget(nn.Module):
         attn_backend: str = "auto",
         dtype: torch.dtype | str | None = None,
         seed: int = 0,
+        decoder: bool = True,
     ) -> None:
         super().__init__()
-        self.model = build_causal_lm(model, dtype=dtype, seed=seed)
+        self.model = build_causal_lm(model, dtype=dtype, seed=seed, decoder=decoder)
         if dtype is not None:
             self.model.to(as_dtype(dtype))
         self.model.requires_grad_(False)
+        if not decoder:
+            self.release_decoder()
         # from_pretrained returns the model in eval mode; the module tree follows its owner's mode like any
         # other module (Lightning warns about eval-mode modules at the start of fit), and forward computes
         # in eval mode whatever that mode is (_evaluating).
@@ -165,7 +177,8 @@ class FrozenTarget(nn.Module):
 
     @property
     def num_layers(self) -> int:
-        return len(self.decoder_layers)
+        # The config's count, which a target loaded without its decoder layers still records.
+        return int(self.text_config.num_hidden_layers)
 
     @property
     def compute_dtype(self) -> torch.dtype:
