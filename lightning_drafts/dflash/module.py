@@ -489,10 +489,10 @@ class DFlash2Module(DFlashModule):
         )
 
     def _candidate_logits(self, states: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """The top-``selector_top_k`` logits ``[n, K]`` of ``logits [n, V]`` (the positions' states ``[n, H]``)
-        and their ids, differentiable through only those K rows of
-        the LM head: the selector loss (normalised by a sum known only after every chunk) then has its own
-        gradient without a second full-vocabulary backward. Values stay the top-k values themselves."""
+        """The top-``selector_top_k`` logits ``[n, K]`` of ``logits [n, V]`` (from the states ``[n, H]``) and
+        their ids, differentiable through only those K rows of the LM head: the selector loss (normalised
+        by a sum known only after every chunk) then has its own gradient without a second full-vocabulary
+        backward. Values stay the top-k values themselves."""
         values, candidates = logits.detach().topk(self.selector_top_k, dim=-1)
         if not (torch.is_grad_enabled() and states.requires_grad):
             return values, candidates

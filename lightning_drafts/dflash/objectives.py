@@ -3,7 +3,9 @@
 Per chain position ``j`` of block ``m`` (the drafted slots, blockdraft.objective): ``nll`` is the fp32
 cross-entropy over the full vocabulary, ``p = exp(-nll)`` the draft's probability of the gold token,
 ``v`` the supervision bit and ``d_j = exp(-j / gamma)`` the decay. With a one-hot target (the data's
-token) the LK per-token acceptance ``alpha = sum_v min(P, softmax(logits))`` is exactly ``p``.
+token) the LK per-token acceptance ``alpha = sum_v min(P, softmax(logits))`` is exactly ``p``. Every
+term below weighs a position by ``v``, so the modules compute ``nll`` at the supervised positions only
+(``block_valid_only``) and leave a finite placeholder elsewhere.
 
 * ``dflash`` (default): ``sum d v nll / (sum d v + 1e-6)``, the decay-weighted mean over the micro-batch.
 * ``dpace`` (D-PACE, SpecForge): detached ``s_j = (1 - a) p_j + a`` (``a = dpace_alpha``; 1 at an
