@@ -51,6 +51,12 @@ both, and the least-squares fit ``epoch time = a * token slots + b * live slot-s
 over the four runs (live slot-steps: the (slot, step) pairs whose query side runs, every one of them
 without the skip; step 0's keys and values run at every slot either way).
 
+The block drafts draft only the blocks with a supervised chain position and project only the supervised
+chain positions onto the vocabulary (``block_valid_only``, the default). ``--block-all-slots`` also times
+every block at every chain position (the path before it), interleaved with the default in the same
+process, and reports skip / all per layout with the chain positions projected and the blocks drafted on
+each path, and the saved activations of both.
+
 ``--thread-scaling 1 2`` times only the packed layout of each draft, once per thread count
 (``torch.set_num_threads`` between interleaved epochs of one process), and reports wall and CPU time at
 each count, their ratios to the first, and the load average at the end of every epoch: on a shared
@@ -58,6 +64,7 @@ machine the 2-thread wall time depends on what else runs.
 
     .venv/bin/python benchmarks/throughput.py --documents 16          # a few minutes on 2 CPU cores
     .venv/bin/python benchmarks/throughput.py --drafts eagle3 --eagle3-all-slots
+    .venv/bin/python benchmarks/throughput.py --drafts dflash dflash2 dspark --block-all-slots
     .venv/bin/python benchmarks/throughput.py --documents 16 --thread-scaling 1 2
     .venv/bin/python benchmarks/throughput.py --device cuda --documents 512
 """
@@ -84,10 +91,14 @@ from torch import Tensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, DraftModule, Eagle3Module
 from lightning_drafts.attention.anchors import anchors_from_positions
+from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.blockdraft.objective import block_targets
+from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.embedded import EMBEDDED_PAD_TOKEN_ID, EMBEDDED_VOCAB_SIZE
 from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
+from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.eagle3 import count_supervised_tokens
 from lightning_drafts.eagle3.live_slots import live_slots
 from lightning_drafts.eagle3.ttt import ttt_supervision
@@ -95,6 +106,8 @@ from lightning_drafts.eagle3.ttt import ttt_supervision
 LAYOUTS = ("packed", "padded")
 # EAGLE-3 without the live-slot skip, timed beside the default under --eagle3-all-slots.
 ALL_SLOTS = ", all slots"
+# Block drafts without the supervised-position skip, timed beside the default under --block-all-slots.
+ALL_POSITIONS = ", all positions"
 ANCHOR_DRAFTS = ("dflash", "dflash2", "dspark")
 ALL_DRAFTS = ("eagle3", *ANCHOR_DRAFTS)
 # Id 0 is <unk>: SentencePiece's byte fallback never emits it, so no document holds it (it also pads,
@@ -118,12 +131,13 @@ class Workload:
 
 @dataclass(frozen=True)
 class Series:
-    """One timed configuration: a layout, (EAGLE-3) whether TTT steps run at live slots only, and the
-    thread count (``None``: ``--threads``)."""
+    """One timed configuration: a layout, whether the draft's skip is on (EAGLE-3: TTT steps at live slots
+    only; block drafts: supervised blocks and chain positions only), and the thread count (``None``:
+    ``--threads``)."""
 
     name: str
     layout: str
-    live_slots_only: bool = True
+    skip: bool = True
     threads: int | None = None
 
 
@@ -134,7 +148,9 @@ def series_of(name: str, args: argparse.Namespace) -> list[Series]:
         ]
     series = [Series(layout, layout) for layout in LAYOUTS]
     if name == "eagle3" and args.eagle3_all_slots:
-        series += [Series(layout + ALL_SLOTS, layout, live_slots_only=False) for layout in LAYOUTS]
+        series += [Series(layout + ALL_SLOTS, layout, skip=False) for layout in LAYOUTS]
+    if name in ANCHOR_DRAFTS and args.block_all_slots:
+        series += [Series(layout + ALL_POSITIONS, layout, skip=False) for layout in LAYOUTS]
     return series
 
 
@@ -447,27 +463,32 @@ class DraftResult:
     micro_batches: dict[str, int]
     series: list[Series]
     live_slot_steps: dict[str, int] = field(default_factory=dict)
+    # Block drafts, per layout: chain positions, supervised ones, blocks, blocks with a supervised position.
+    chain_work: dict[str, ChainWork] = field(default_factory=dict)
     setup_note: str = ""
 
     def layout(self, series_name: str) -> str:
         return next(s.layout for s in self.series if s.name == series_name)
 
 
+# Each draft's skip flag (read at every step), on by default.
+SKIP_FLAGS = ("ttt_live_slots_only", "block_valid_only")
+
+
 @contextmanager
 def configured(module: DraftModule, series: Series) -> Iterator[None]:
-    """One epoch of ``series``: its thread count, and EAGLE-3 with or without the live-slot skip (the
-    flag is read at every step)."""
+    """One epoch of ``series``: its thread count, and the draft with or without its skip."""
     threads = torch.get_num_threads()
     torch.set_num_threads(series.threads or threads)
-    skip = "ttt_live_slots_only" in module.hparams
-    if skip:
-        module.hparams.ttt_live_slots_only = series.live_slots_only
+    flags = [flag for flag in SKIP_FLAGS if flag in module.hparams]
+    for flag in flags:
+        module.hparams[flag] = series.skip
     try:
         yield
     finally:
         torch.set_num_threads(threads)
-        if skip:
-            module.hparams.ttt_live_slots_only = True
+        for flag in flags:
+            module.hparams[flag] = True
 
 
 @torch.no_grad()
@@ -479,6 +500,40 @@ def live_slot_steps(module: DraftModule, batches: list[dict[str, Tensor]]) -> in
         supervision = ttt_supervision(packed, module.teacher_signal(packed), module.hparams.ttt_length)
         total += sum(slots.numel() for slots in live_slots(supervision.supervised))
     return total
+
+
+@dataclass(frozen=True)
+class ChainWork:
+    """A block draft's chain positions over an epoch of one layout, and how many the skip keeps."""
+
+    positions: int
+    supervised: int
+    blocks: int
+    supervised_blocks: int
+
+
+def chain_valid(packed: PackedBatch, anchors: Tensor, block_size: int, dspark: bool) -> Tensor:
+    """``[M, D]`` supervision of the chain positions of the blocks at ``anchors`` (DFlash's one known slot)."""
+    layout = block_layout(packed, anchors, block_size)
+    if dspark:
+        return block_supervision(packed, layout).valid
+    return block_targets(packed, layout, torch.ones_like(layout.anchors)).valid
+
+
+@torch.no_grad()
+def chain_work(
+    module: DraftModule, batches: list[dict[str, Tensor]], anchors: list[Tensor | None], dspark: bool
+) -> ChainWork:
+    valid = [
+        chain_valid(module.prepare_batch(batch), batch_anchors, module.block_size, dspark)
+        for batch, batch_anchors in zip(batches, anchors, strict=True)
+    ]
+    return ChainWork(
+        positions=sum(v.numel() for v in valid),
+        supervised=sum(int(v.sum()) for v in valid),
+        blocks=sum(v.shape[0] for v in valid),
+        supervised_blocks=sum(int(v.any(dim=1).sum()) for v in valid),
+    )
 
 
 def measure_draft(
@@ -521,9 +576,13 @@ def measure_draft(
     steps = {}
     if name == "eagle3" and not args.thread_scaling:
         width = args.ttt_length
-        steps = {run.name: width * workload.slots(run.layout) for run in series if not run.live_slots_only}
-        steps |= {
-            run.name: live_slot_steps(module, batches[run.layout]) for run in series if run.live_slots_only
+        steps = {run.name: width * workload.slots(run.layout) for run in series if not run.skip}
+        steps |= {run.name: live_slot_steps(module, batches[run.layout]) for run in series if run.skip}
+    work = {}
+    if name in ANCHOR_DRAFTS:
+        work = {
+            layout: chain_work(module, batches[layout], anchors[layout], name == "dspark")
+            for layout in LAYOUTS
         }
     return DraftResult(
         name=name,
@@ -532,6 +591,7 @@ def measure_draft(
         micro_batches={layout: len(batches[layout]) for layout in LAYOUTS},
         series=series,
         live_slot_steps=steps,
+        chain_work=work,
     )
 
 
@@ -614,9 +674,23 @@ def detail_rows(result: DraftResult) -> list[str]:
     return rows
 
 
+def skip_cells(result: DraftResult, layout: str, every: str, cpu: bool) -> str:
+    """The cells of a skip-against-reference row: both median throughputs, their ratio (per-pair range),
+    and on CPU the same ratio by CPU time."""
+    wall, low, high = ratio(result, "seconds", layout, every)
+    cells = (
+        f" {statistics.median(rates(result, layout, 'seconds')):,.0f} | "
+        f"{statistics.median(rates(result, every, 'seconds')):,.0f} | {wall:.2f}x ({low:.2f}-{high:.2f}) |"
+    )
+    if cpu:
+        cpu_ratio, cpu_low, cpu_high = ratio(result, "cpu_seconds", layout, every)
+        cells += f" {cpu_ratio:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}) |"
+    return cells
+
+
 def all_slots_section(result: DraftResult, cpu: bool) -> list[str]:
     """EAGLE-3 with the live-slot skip against every slot at every step, and the linear time fit."""
-    if not any(not run.live_slots_only for run in result.series):
+    if result.name != "eagle3" or all(run.skip for run in result.series):
         return []
     cpu_head, cpu_rule = (" live / all by CPU time |", "---:|") if cpu else ("", "")
     lines = [
@@ -629,19 +703,38 @@ def all_slots_section(result: DraftResult, cpu: bool) -> list[str]:
     ]
     for layout in LAYOUTS:
         every = layout + ALL_SLOTS
-        wall, low, high = ratio(result, "seconds", layout, every)
-        cpu_cell = ""
-        if cpu:
-            cpu_ratio, cpu_low, cpu_high = ratio(result, "cpu_seconds", layout, every)
-            cpu_cell = f" {cpu_ratio:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}) |"
         lines.append(
-            f"| {layout} | {statistics.median(rates(result, layout, 'seconds')):,.0f} | "
-            f"{statistics.median(rates(result, every, 'seconds')):,.0f} | {wall:.2f}x ({low:.2f}-{high:.2f}) |"
-            f"{cpu_cell} {result.live_slot_steps[layout]:,} / {result.live_slot_steps[every]:,} | "
+            f"| {layout} |{skip_cells(result, layout, every, cpu)} "
+            f"{result.live_slot_steps[layout]:,} / {result.live_slot_steps[every]:,} | "
             f"{saved_per_1k(result, layout):.0f} / {saved_per_1k(result, every):.0f} |"
         )
     # On CPU the fit takes process CPU time: on a shared machine the wall time is mostly other processes'.
     lines += ["", *time_fit(result, "cpu_seconds" if cpu else "seconds")]
+    return lines
+
+
+def all_positions_section(result: DraftResult, cpu: bool) -> list[str]:
+    """A block draft with the supervised-block / position skip against every block and position."""
+    if result.name not in ANCHOR_DRAFTS or all(run.skip for run in result.series):
+        return []
+    cpu_head, cpu_rule = (" skip / all by CPU time |", "---:|") if cpu else ("", "")
+    lines = [
+        "",
+        f"{result.name}, supervised blocks and chain positions only (default) vs every block and position "
+        "(`block_valid_only=False`):",
+        "",
+        f"| layout | skip, supervised positions/s | all, supervised positions/s | skip / all (pairs) |{cpu_head} "
+        "vocabulary rows, skip / all | blocks drafted, skip / all | saved act. MiB / 1k real tokens, skip / all |",
+        f"|---|---:|---:|---:|{cpu_rule}---:|---:|---:|",
+    ]
+    for layout in LAYOUTS:
+        every, work = layout + ALL_POSITIONS, result.chain_work[layout]
+        # Every DSpark block has a supervised slot 0; DFlash's blocks without one are not drafted.
+        lines.append(
+            f"| {layout} |{skip_cells(result, layout, every, cpu)} {work.supervised:,} / {work.positions:,} | "
+            f"{work.supervised_blocks:,} / {work.blocks:,} | "
+            f"{saved_per_1k(result, layout):.0f} / {saved_per_1k(result, every):.0f} |"
+        )
     return lines
 
 
@@ -740,6 +833,7 @@ def report(
         lines += detail_rows(result)
     for result in results:
         lines += all_slots_section(result, cpu)
+        lines += all_positions_section(result, cpu)
     lines += [f"\n{name}: skipped: {why}" for name, why in skipped.items()]
     return "\n".join(lines)
 
@@ -773,6 +867,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eagle3-all-slots",
         action="store_true",
         help="also time EAGLE-3 with every slot at every TTT step (ttt_live_slots_only=False), interleaved",
+    )
+    parser.add_argument(
+        "--block-all-slots",
+        action="store_true",
+        help="also time the block drafts with every block at every chain position (block_valid_only=False), "
+        "interleaved",
     )
     parser.add_argument(
         "--thread-scaling",

@@ -19,6 +19,46 @@ def documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     return random_docs(lengths, vocab=MASK_TOKEN, seed=seed)
 
 
+# The holed case: document lengths per packed row; the 3-token document is shorter than a block.
+HOLED_ROWS = [[14, 3, 9], [12, 8]]
+HOLED_WIDTH = 26
+HOLES = (0, 1, 6, 9, 10, 11)  # document offsets: a 2-token prompt, a one-token hole, a 3-token hole
+# Document-local anchors (document index in row-major order -> offsets). Offset 5 skips the hole at 6;
+# offset 8 of document 3 has only unsupervised labels; the last anchor of documents 2, 3 and 4 ends its
+# block on the document's last token.
+HOLED_ANCHORS = {0: [2, 3, 5, 7, 8], 2: [2, 5], 3: [3, 8], 4: [2, 4]}
+
+
+def supervise_holes(batch: dict, positions: torch.Tensor) -> dict:
+    batch = dict(batch)
+    batch["loss_mask"] = batch["loss_mask"] * (~torch.isin(positions, torch.tensor(HOLES))).long()
+    return batch
+
+
+def holed_case() -> tuple[dict, dict, torch.Tensor]:
+    """(packed batch, padded twin, packed anchors) of :data:`HOLED_ROWS` under :data:`HOLES`, anchored at
+    :data:`HOLED_ANCHORS`."""
+    docs = documents([n for row in HOLED_ROWS for n in row], seed=3)
+    packed_rows, start = [], 0
+    for lengths in HOLED_ROWS:
+        packed_rows.append(packed_row(docs[start : start + len(lengths)], HOLED_WIDTH))
+        start += len(lengths)
+    packed = stack_rows(packed_rows)
+    packed = supervise_holes(packed, packed["position_ids"])
+    padded = padded_rows(docs, max(len(d) for d in docs))
+    padded = supervise_holes(
+        padded, torch.arange(padded["input_ids"].shape[1]).expand_as(padded["input_ids"])
+    )
+    starts = [sum(row[:i]) for row in HOLED_ROWS for i in range(len(row))]
+    row_of = [r for r, row in enumerate(HOLED_ROWS) for _ in row]
+    per_row = [[] for _ in HOLED_ROWS]
+    for doc, offsets in HOLED_ANCHORS.items():
+        per_row[row_of[doc]] += [starts[doc] + offset for offset in offsets]
+    width = max(len(a) for a in per_row)
+    anchors = torch.tensor([a + [-1] * (width - len(a)) for a in per_row])
+    return packed, padded, anchors
+
+
 def with_prompts(batch: dict, prompt: int = 2, holes: tuple[int, ...] = ()) -> dict:
     """Unsupervise the first ``prompt`` tokens of every document (and the document offsets in ``holes``,
     a short user turn between two assistant turns), as chat data does."""

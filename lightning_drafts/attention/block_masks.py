@@ -28,7 +28,7 @@ and share it by every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -77,6 +77,25 @@ class BlockLayout:
     @property
     def kv_len(self) -> int:
         return self.num_context + self.q_len
+
+    def select(self, kept: Tensor) -> BlockLayout:
+        """The layout of the blocks ``kept`` (bool ``[M]``) alone, in their order, over the same context.
+
+        A block's queries see only the context and their own block, so each kept block computes what
+        it did beside the others.
+        """
+        if kept.shape != self.rows.shape or kept.dtype != torch.bool:
+            raise ValueError(
+                f"kept must be a bool [{self.num_blocks}] mask of blocks, got {kept.dtype} {tuple(kept.shape)}"
+            )
+        return replace(
+            self,
+            rows=self.rows[kept],
+            anchors=self.anchors[kept],
+            slots=self.slots[kept],
+            context_start=self.context_start[kept],
+            context_end=self.context_end[kept],
+        )
 
     def gather_context(self, per_token: Tensor) -> Tensor:
         """``[B, T, ...]`` per-token values (e.g. captured target features) -> ``[R, ...]`` context keys."""

@@ -32,6 +32,10 @@ class BlockTargets:
     valid: Tensor
     slots: Tensor
 
+    def select(self, kept: Tensor) -> BlockTargets:
+        """The chains of the blocks ``kept`` (bool ``[M]``)."""
+        return BlockTargets(labels=self.labels[kept], valid=self.valid[kept], slots=self.slots[kept])
+
 
 def block_targets(packed: PackedBatch, layout: BlockLayout, known: Tensor) -> BlockTargets:
     """Chain j of block m predicts row position ``anchor + known + j``.

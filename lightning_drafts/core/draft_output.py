@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -36,6 +36,17 @@ class DraftOutput:
             )
         if self.valid_tokens is None:
             self.valid_tokens = self.valid.sum()
+
+    def among_chains(self, kept: Tensor) -> DraftOutput:
+        """This output's chains as the rows ``kept`` (bool ``[M]``) of ``M`` chains, the other rows never
+        valid (and never correct): a chain without a valid position counts in no statistic."""
+        if int(kept.sum()) != self.valid.shape[0]:
+            raise ValueError(f"kept marks {int(kept.sum())} chains but the output has {self.valid.shape[0]}")
+        shape = (kept.shape[0], self.valid.shape[1])
+        valid = torch.zeros(shape, dtype=torch.bool, device=self.valid.device)
+        correct = torch.zeros_like(valid)
+        valid[kept], correct[kept] = self.valid, self.correct
+        return replace(self, correct=correct, valid=valid)
 
     def detach(self) -> DraftOutput:
         return DraftOutput(

@@ -38,6 +38,7 @@ from lightning_drafts.blockdraft.objective import (
 )
 from lightning_drafts.core.acceptance import acceptance_length, prefix_counts, skip_holes_accept_sums
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.chain_positions import ChainPositions
 from lightning_drafts.core.checks import check_int
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
@@ -45,7 +46,7 @@ from lightning_drafts.core.ratio_metric import ratio
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.export import export_draft
-from lightning_drafts.dflash.objectives import BlockObjective
+from lightning_drafts.dflash.objectives import BlockObjective, position_nll
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.dflash.reload import load_into_module
 from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_TOP_K, TARGET_LAYER_IDS
@@ -87,6 +88,10 @@ class DFlashModule(DraftModule):
         logits_chunk_blocks: blocks whose logits exist at once. Each chunk's loss is differentiated as
             soon as it is computed and its logits freed (nothing recomputed), so ``[M, block_size - 1, V]``
             logits never exist whole; None computes them in one piece under plain autograd.
+        block_valid_only: draft only the blocks with a supervised chain position, and project only the
+            supervised chain positions onto the vocabulary (:mod:`lightning_drafts.core.chain_positions`):
+            the same loss, gradients and statistics. ``False`` drafts every block and computes logits at
+            every chain position: the reference the tests compare with.
         **base_kwargs: :class:`~lightning_drafts.training.module.DraftModule` arguments (target backend / dtype /
             seed, optimiser, schedule, FSDP options). Learning rate 6e-4 and warmup 0.04 by default.
     """
@@ -113,10 +118,13 @@ class DFlashModule(DraftModule):
         draft_overrides: dict[str, int] | None = None,
         draft_seed: int = 0,
         logits_chunk_blocks: int | None = 128,
+        block_valid_only: bool = True,
         learning_rate: float = 6e-4,
         warmup_ratio: float = 0.04,
         **base_kwargs: Any,
     ) -> None:
+        if not isinstance(block_valid_only, bool):
+            raise ValueError(f"block_valid_only = {block_valid_only!r}; it must be True or False")
         # Before the target loads: a misspelt objective should not cost a model download.
         self.objective = BlockObjective(loss_type, dpace_alpha, kl_scale, kl_decay)
         # In the signature, not set by default inside: the CLI reads defaults from signatures and would
@@ -190,12 +198,34 @@ class DFlashModule(DraftModule):
         known = self._known_slots(layout, anchors, prefix_lengths)
         if layout.num_blocks == 0:
             return self._empty_output(short)
-        hidden = self._draft_hidden(packed, layout, known)
         targets = block_targets(packed, layout, known)
-        output = self._objective(packed, layout, hidden, targets)
+        kept = self._kept_blocks(targets.valid)
+        if kept is None:
+            output = self._objective(packed, layout, self._draft_hidden(packed, layout, known), targets)
+        else:
+            drafted = layout.select(kept)
+            hidden = self._draft_hidden(packed, drafted, known[kept])
+            output = self._objective(packed, drafted, hidden, targets.select(kept)).among_chains(kept)
         blocks = torch.tensor(float(layout.num_blocks), device=short.device)
         output.metrics.update(blocks=blocks, short_documents=short.float())
         return output
+
+    def _kept_blocks(self, valid: Tensor) -> Tensor | None:
+        """The blocks to draft (bool ``[M]``; None: every one). A block without a supervised chain position
+        adds nothing to the loss, a gradient or a statistic, and no other block attends to it. When no
+        block has one, the first stays: the loss is then the graph-connected zero the full step gives."""
+        if not self.hparams.block_valid_only:
+            return None
+        kept = valid.any(dim=1)
+        if bool(kept.all()):
+            return None
+        if not bool(kept.any()):
+            kept[0] = True
+        return kept
+
+    def _positions(self, valid: Tensor) -> ChainPositions:
+        """The chain positions whose vocabulary terms are computed (all unless ``block_valid_only``)."""
+        return ChainPositions.of(valid, self.hparams.block_valid_only)
 
     def _known_slots(self, layout: BlockLayout, anchors: Tensor, prefix_lengths: Tensor | None) -> Tensor:
         """How many leading slots of each block hold real tokens: 1 (the anchor), or the variable prefix."""
@@ -259,9 +289,13 @@ class DFlashModule(DraftModule):
         )
 
     def _chunk_terms(self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor) -> tuple[Tensor, ...]:
-        logits = self._logits(states)
-        terms = self.objective.chunk_terms(logits, labels, valid, base)
-        return (*terms.sums, terms.gold_probability_sum, logits.argmax(-1))
+        positions = self._positions(valid)
+        logits = self._logits(positions.gather(states))
+        terms = self.objective.chunk_terms(
+            positions.scatter(position_nll(logits, positions.gather(labels))), valid, base
+        )
+        # -1 is never a label: a position left out is never correct.
+        return (*terms.sums, terms.gold_probability_sum, positions.scatter(logits.argmax(-1), -1))
 
     def _over_chunks(
         self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor, differentiable: int = 1
@@ -422,32 +456,43 @@ class DFlash2Module(DFlashModule):
     def _chunk_terms(
         self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor, predecessors: Tensor
     ) -> tuple[Tensor, ...]:
-        logits = self._logits(states)
-        terms = self.objective.chunk_terms(logits, labels, valid, base)
+        positions = self._positions(valid)
+        kept_states, kept_labels = positions.gather(states), positions.gather(labels)
+        logits = self._logits(kept_states)
+        terms = self.objective.chunk_terms(positions.scatter(position_nll(logits, kept_labels)), valid, base)
         selector = self.draft.candidate_selector
-        unary, candidates = self._candidate_logits(states, logits)
-        scores = selector.scores(states, unary, candidates, predecessors)
+        unary, candidates = self._candidate_logits(kept_states, logits)
+        scores = selector.scores(kept_states, unary, candidates, positions.gather(predecessors))
         # The selector follows the objective's weights (D-PACE's included), normalised by their own sum.
         selector_sum, selector_weight, covered = selector_cross_entropy(
-            scores, candidates, labels, terms.weights
+            scores, candidates, kept_labels, positions.gather(terms.weights)
         )
         picks = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
-        walk = selector.greedy_walk(states.detach(), unary.detach(), candidates, predecessors[:, 0])
+        # The walk's statistic reads each chain's leading run of supervised positions only, and a step of
+        # that run follows earlier steps of it: what stands at a position left out is never read there.
+        walk = selector.greedy_walk(
+            states.detach(),
+            positions.scatter(unary.detach()),
+            positions.scatter(candidates),
+            predecessors[:, 0],
+        )
+        # -1 is never a label: a position left out is never correct.
         return (
             *terms.sums,
             selector_sum,
             terms.gold_probability_sum,
-            logits.argmax(-1),
+            positions.scatter(logits.argmax(-1), -1),
             selector_weight.detach(),
-            covered,
-            picks,
+            positions.scatter(covered, False),
+            positions.scatter(picks, -1),
             walk,
         )
 
     def _candidate_logits(self, states: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """The top-``selector_top_k`` logits and their ids, differentiable through only those K rows of
-        the LM head: the selector loss (normalised by a sum known only after every chunk) then has its own
-        gradient without a second full-vocabulary backward. Values stay the top-k values themselves."""
+        """The top-``selector_top_k`` logits ``[n, K]`` of ``logits [n, V]`` (from the states ``[n, H]``) and
+        their ids, differentiable through only those K rows of the LM head: the selector loss (normalised
+        by a sum known only after every chunk) then has its own gradient without a second full-vocabulary
+        backward. Values stay the top-k values themselves."""
         values, candidates = logits.detach().topk(self.selector_top_k, dim=-1)
         if not (torch.is_grad_enabled() and states.requires_grad):
             return values, candidates

@@ -3,7 +3,9 @@
 Per chain position ``j`` of block ``m`` (the drafted slots, blockdraft.objective): ``nll`` is the fp32
 cross-entropy over the full vocabulary, ``p = exp(-nll)`` the draft's probability of the gold token,
 ``v`` the supervision bit and ``d_j = exp(-j / gamma)`` the decay. With a one-hot target (the data's
-token) the LK per-token acceptance ``alpha = sum_v min(P, softmax(logits))`` is exactly ``p``.
+token) the LK per-token acceptance ``alpha = sum_v min(P, softmax(logits))`` is exactly ``p``. Every
+term below weighs a position by ``v``, so the modules compute ``nll`` at the supervised positions only
+(``block_valid_only``) and leave a finite placeholder elsewhere.
 
 * ``dflash`` (default): ``sum d v nll / (sum d v + 1e-6)``, the decay-weighted mean over the micro-batch.
 * ``dpace`` (D-PACE, SpecForge): detached ``s_j = (1 - a) p_j + a`` (``a = dpace_alpha``; 1 at an
@@ -98,11 +100,9 @@ class BlockObjective:
         weights = decay * valid
         return weights, weights.sum() + LOSS_EPS
 
-    def chunk_terms(self, logits: Tensor, labels: Tensor, valid: Tensor, base: Tensor) -> ChunkTerms:
-        """The vocabulary terms of a chunk of whole blocks (``logits [m, D, V]``), in fp32."""
-        nll = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view_as(labels)
+    def chunk_terms(self, nll: Tensor, valid: Tensor, base: Tensor) -> ChunkTerms:
+        """The loss terms of a chunk of whole blocks from its fp32 cross-entropies ``nll [m, D]``
+        (:func:`position_nll`); any finite value stands where not ``valid``: it only meets zero weights."""
         gold = torch.exp(-nll)
         weights = base
         if self.is_dpace:
@@ -129,6 +129,13 @@ class BlockObjective:
         """``lk-lambda``'s ``kappa = kl_scale exp(-kl_decay mean alpha)`` over the micro-batch (detached)."""
         mean = gold_probability_sum.detach() / supervised.float().clamp(min=1.0)
         return self.kl_scale * torch.exp(-self.kl_decay * mean)
+
+
+def position_nll(logits: Tensor, labels: Tensor) -> Tensor:
+    """fp32 cross-entropy of each position's ``logits [..., V]`` against its gold token ``labels [...]``."""
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+    ).view_as(labels)
 
 
 def dpace_weights(gold: Tensor, valid: Tensor, alpha: float, loss_type: str) -> Tensor:

@@ -63,13 +63,14 @@ def selector_cross_entropy(
     """The selector's loss terms: fp32 CE over the K candidate scores toward the gold token, weighted by
     ``weights`` (the objective's: decay or D-PACE, times validity) where the gold token is among the candidates.
 
-    Returns (weighted CE sum, weight sum, covered ``[M, D]``); the loss is ``sum / (weight sum + eps)``,
+    ``scores`` / ``candidates``: ``[..., K]``, ``labels`` / ``weights``: ``[...]`` (chains ``[M, D]``, or the
+    flat ``[n]`` positions the module keeps). Returns (weighted CE sum, weight sum, covered ``[...]``); the loss is ``sum / (weight sum + eps)``,
     normalised by its own weights and exactly 0 (never NaN) when no gold token is covered.
     """
     hit = candidates == labels[..., None]
     covered = hit.any(-1)
     ce = torch.nn.functional.cross_entropy(
-        scores.float().flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none"
+        scores.float().reshape(-1, scores.shape[-1]), hit.float().argmax(-1).reshape(-1), reduction="none"
     ).view_as(covered)
     weights = weights * covered
     return (ce * weights).sum(), weights.sum(), covered

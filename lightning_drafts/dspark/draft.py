@@ -100,12 +100,26 @@ class DSparkDraft(BlockDraft):
         ``hidden [M, K, H]``: post-norm slot states; ``previous [M, K]``: the token before each slot's
         target (teacher-forced: the anchor for slot 0, the gold token at ``anchor + k`` for slot k).
         """
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        embedded = None
+        latents, confidence = self.slot_heads(hidden, previous)
+        return self.vocabulary_logits(hidden, latents), confidence
+
+    def slot_heads(self, hidden: Tensor, previous: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The heads' work of each slot apart from the vocabulary: the Markov latents ``[M, K, r]`` that
+        :meth:`vocabulary_logits` projects (None without a Markov head) and the fp32 confidence logits
+        ``[M, K]`` (or None). The ``rnn`` head's latents run over the block's slots in order."""
+        embedded = latents = None
         if self.markov_head is not None:
             embedded = self.markov_head.embed(previous)
-            logits = logits + self.markov_head(embedded, hidden).to(logits.dtype)
+            latents = self.markov_head.latents(embedded, hidden)
         confidence = None
         if self.confidence_head is not None:
             confidence = self.confidence_head(hidden, embedded if self.confidence_with_markov else None)
-        return logits, confidence
+        return latents, confidence
+
+    def vocabulary_logits(self, hidden: Tensor, latents: Tensor | None) -> Tensor:
+        """Markov-corrected logits ``[..., V]`` (model dtype) of slot states ``hidden [..., H]`` and their
+        Markov latents ``[..., r]`` (:meth:`slot_heads`): each position on its own."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        if latents is None:
+            return logits
+        return logits + self.markov_head.bias(latents).to(logits.dtype)

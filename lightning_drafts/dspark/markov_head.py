@@ -57,14 +57,21 @@ class MarkovHead(nn.Module):
     def forward(self, embedded: Tensor, hidden: Tensor) -> Tensor:
         """The ``[M, K, V]`` logit bias of every slot from ``embedded [M, K, r]`` (see :meth:`embed`) and
         the post-norm slot states ``hidden [M, K, H]``."""
+        return self.bias(self.latents(embedded, hidden))
+
+    def latents(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        """The ``[M, K, r]`` latents :meth:`bias` projects: the slot's own work, apart from the vocabulary."""
         embedded = embedded.to(self.markov_w2.weight.dtype)
         if self.head_type == "vanilla":
-            return self.markov_w2(embedded)
+            return embedded
         hidden = hidden.to(embedded.dtype)
         if self.head_type == "gated":
-            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1)))
-            return self.markov_w2(gate * embedded)
-        return self.markov_w2(self._recurrent_latents(embedded, hidden))
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1))) * embedded
+        return self._recurrent_latents(embedded, hidden)
+
+    def bias(self, latents: Tensor) -> Tensor:
+        """The ``[..., V]`` logit bias of latents ``[..., r]`` (:meth:`latents`)."""
+        return self.markov_w2(latents)
 
     def _recurrent_latents(self, embedded: Tensor, hidden: Tensor) -> Tensor:
         # The state starts at zero in every block and runs over its K slots; the bias of slot k is read

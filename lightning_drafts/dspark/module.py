@@ -28,6 +28,7 @@ from lightning_drafts.attention.block_masks import (
 )
 from lightning_drafts.blockdraft.draft import draft_config
 from lightning_drafts.core.batch import PackedBatch
+from lightning_drafts.core.chain_positions import ChainPositions
 from lightning_drafts.core.checks import check_int, is_number
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
@@ -93,6 +94,10 @@ class DSparkModule(DraftModule):
         draft_seed: seed of the draft's initial weights.
         logits_chunk_blocks: blocks whose ``[blocks, K, V]`` logits exist at once (each chunk is
             differentiated as soon as it is computed, nothing recomputed); None = one piece.
+        block_valid_only: compute the vocabulary terms (draft and teacher logits, ce, tv, argmax) only at
+            the supervised slots (:mod:`lightning_drafts.core.chain_positions`): the same loss, gradients
+            and statistics. ``False`` computes them at every slot: the reference the tests compare with.
+            (Every DSpark block has a supervised slot 0, so no block is left out.)
         **base_kwargs: :class:`~lightning_drafts.training.module.DraftModule` arguments. Learning rate 6e-4 by default.
 
     ``compute_loss`` returns a :class:`~lightning_drafts.core.draft_output.DraftOutput`: ``correct`` /
@@ -123,10 +128,13 @@ class DSparkModule(DraftModule):
         draft_overrides: dict[str, int] | None = None,
         draft_seed: int = 0,
         logits_chunk_blocks: int | None = 128,
+        block_valid_only: bool = True,
         learning_rate: float = 6e-4,
         **base_kwargs: Any,
     ) -> None:
         # Cheap checks first: a real target takes minutes to load.
+        if not isinstance(block_valid_only, bool):
+            raise ValueError(f"block_valid_only = {block_valid_only!r}; it must be True or False")
         check_int("num_draft_layers", num_draft_layers, 1)
         BLOCK_SIZE.check(block_size)
         check_int("num_anchors", num_anchors, 1)
@@ -245,7 +253,7 @@ class DSparkModule(DraftModule):
         numerator, ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
             self._chunk_terms,
             self.logits_chunk_blocks,
-            (hidden, supervision.previous, supervision.labels, weights, teacher_hidden),
+            (hidden, supervision.previous, supervision.labels, valid, weights, teacher_hidden),
             self.draft.head_parameters(),
         )
         weight_sum = weights.sum()
@@ -260,12 +268,26 @@ class DSparkModule(DraftModule):
         return self._output(loss, (predicted == supervision.labels) & valid, valid, sums, local, len(hidden))
 
     def _chunk_terms(
-        self, hidden: Tensor, previous: Tensor, labels: Tensor, weights: Tensor, teacher_hidden: Tensor
+        self,
+        hidden: Tensor,
+        previous: Tensor,
+        labels: Tensor,
+        valid: Tensor,
+        weights: Tensor,
+        teacher_hidden: Tensor,
     ) -> tuple[Tensor, ...]:
-        logits, confidence = self.draft.heads(hidden, previous)
+        # Validity, not the weight: a supervised slot whose decay underflows to 0 still counts in alpha's sums.
+        positions = ChainPositions.of(valid, self.hparams.block_valid_only)
+        latents, confidence = self.draft.slot_heads(hidden, previous)
+        logits = self.draft.vocabulary_logits(
+            positions.gather(hidden), None if latents is None else positions.gather(latents)
+        )
         # The target's own head: equal to the frozen copy, and it cannot drift if the copy is unfrozen.
-        teacher_logits = self.target.logits(teacher_hidden)
-        ce, l1 = distribution_terms(logits, teacher_logits, labels)
+        teacher_logits = self.target.logits(positions.gather(teacher_hidden))
+        # A slot left out gets ce = l1 = 0 (alpha 1): each meets a zero weight or the eval mask only.
+        ce, l1 = (
+            positions.scatter(t) for t in distribution_terms(logits, teacher_logits, positions.gather(labels))
+        )
         alpha = acceptance_probability(l1)
         if confidence is None:
             conf_sum, confidence = ce.new_zeros(()), torch.zeros_like(alpha)
@@ -278,7 +300,8 @@ class DSparkModule(DraftModule):
             ce_sum.detach(),
             tv_sum.detach(),
             conf_sum.detach(),
-            logits.argmax(dim=-1),
+            # -1 is never a label: a slot left out is never correct.
+            positions.scatter(logits.argmax(dim=-1), -1),
             alpha,
             confidence.detach(),
         )

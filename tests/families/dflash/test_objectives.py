@@ -22,46 +22,20 @@ from lightning_drafts.core.acceptance import acceptance_length, prefix_counts, s
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
-from lightning_drafts.dflash.objectives import LOSS_TYPES, BlockObjective, dpace_weights
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents, perturb, run, to_padded
-from tests.builders import TINY_TARGETS, VOCAB, assert_no_tensor_outlives, packed_row, padded_rows, stack_rows
+from lightning_drafts.dflash.objectives import LOSS_TYPES, BlockObjective, dpace_weights, position_nll
+from tests.block_draft_cases import (
+    BLOCK,
+    MASK_TOKEN,
+    documents,
+    holed_case,
+    perturb,
+    run,
+    supervise_holes,
+    to_padded,
+)
+from tests.builders import TINY_TARGETS, VOCAB, assert_no_tensor_outlives, packed_row, stack_rows
 
 DPACE = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
-# Document lengths per packed row; the 3-token document is shorter than a block.
-ROWS = [[14, 3, 9], [12, 8]]
-WIDTH = 26
-HOLES = (0, 1, 6, 9, 10, 11)  # document offsets: a 2-token prompt, a one-token hole, a 3-token hole
-# Document-local anchors (document index in row-major order -> offsets). Offset 5 skips the hole at 6;
-# offset 8 of document 3 has only unsupervised labels; the last anchor of documents 2, 3 and 4 ends its
-# block on the document's last token.
-ANCHORS = {0: [2, 3, 5, 7, 8], 2: [2, 5], 3: [3, 8], 4: [2, 4]}
-
-
-def supervise(batch: dict, positions: torch.Tensor) -> dict:
-    batch = dict(batch)
-    batch["loss_mask"] = batch["loss_mask"] * (~torch.isin(positions, torch.tensor(HOLES))).long()
-    return batch
-
-
-def case() -> tuple[dict, dict, torch.Tensor]:
-    """(packed batch, padded twin, packed anchors)."""
-    docs = documents([n for row in ROWS for n in row], seed=3)
-    packed_rows, start = [], 0
-    for lengths in ROWS:
-        packed_rows.append(packed_row(docs[start : start + len(lengths)], WIDTH))
-        start += len(lengths)
-    packed = stack_rows(packed_rows)
-    packed = supervise(packed, packed["position_ids"])
-    padded = padded_rows(docs, max(len(d) for d in docs))
-    padded = supervise(padded, torch.arange(padded["input_ids"].shape[1]).expand_as(padded["input_ids"]))
-    starts = [sum(row[:i]) for row in ROWS for i in range(len(row))]
-    row_of = [r for r, row in enumerate(ROWS) for _ in row]
-    per_row = [[] for _ in ROWS]
-    for doc, offsets in ANCHORS.items():
-        per_row[row_of[doc]] += [starts[doc] + offset for offset in offsets]
-    width = max(len(a) for a in per_row)
-    anchors = torch.tensor([a + [-1] * (width - len(a)) for a in per_row])
-    return packed, padded, anchors
 
 
 # --- the reference: the spec's formulas, written out --------------------------------------------
@@ -145,7 +119,7 @@ def documents_of(packed, layout) -> list[int]:
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("known", ["anchor", "variable_prefix"])
 def test_every_objective_equals_the_reference_on_random_logits(loss_type, known):
-    packed_batch, _, anchors = case()
+    packed_batch, _, anchors = holed_case()
     packed = validate_batch(packed_batch)
     layout = block_layout(packed, anchors, BLOCK)
     generator = torch.Generator().manual_seed(4)
@@ -169,7 +143,7 @@ def test_every_objective_equals_the_reference_on_random_logits(loss_type, known)
     def terms(
         chunk_logits: torch.Tensor, labels: torch.Tensor, chunk_valid: torch.Tensor, chunk_base: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        result = objective.chunk_terms(chunk_logits, labels, chunk_valid, chunk_base)
+        result = objective.chunk_terms(position_nll(chunk_logits, labels), chunk_valid, chunk_base)
         return (*result.sums, result.gold_probability_sum)
 
     for chunk in (None, 1, 3):
@@ -250,7 +224,7 @@ def assert_same_outputs(first, second) -> None:
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_packed_equals_padded_and_the_module_loss_is_the_reference(cls, loss_type):
     module = make(cls, loss_type=loss_type, logits_chunk_blocks=2, loss_decay_gamma=4.0)
-    packed, padded, anchors = case()
+    packed, padded, anchors = holed_case()
     padded_anchors, _ = to_padded(module.prepare_batch(packed), anchors)
     packed_result = run(module, packed, anchors)
     assert_same_outputs(packed_result, run(module, padded, padded_anchors))
@@ -272,7 +246,7 @@ def test_no_tensor_outlives_a_training_step_under_any_objective(cls, loss_type):
     lk-lambda's CE and TV, the gold-token probability the others only read): none of it may outlive
     the step (DFlash2 once grew host memory by its log-probabilities every step, 26 MB at 64 anchors)."""
     module = make(cls, loss_type=loss_type, logits_chunk_blocks=2)
-    packed, _, anchors = case()
+    packed, _, anchors = holed_case()
     assert_no_tensor_outlives(lambda: run(module, packed, anchors))
 
 
@@ -281,7 +255,7 @@ def test_a_row_level_unit_would_differ_between_the_layouts(loss_type):
     """What packed == padded guards against: D-PACE normalised per row (SpecForge's unit) or lk-lambda's
     kappa taken per row would change when the same blocks are packed two documents to a row; the
     per-document / per-micro-batch units do not."""
-    packed_batch, padded_batch, anchors = case()
+    packed_batch, padded_batch, anchors = holed_case()
     packed, padded = validate_batch(packed_batch), validate_batch(padded_batch)
     padded_anchors, _ = to_padded(packed, anchors)
     layouts = {
@@ -301,7 +275,7 @@ def test_a_row_level_unit_would_differ_between_the_layouts(loss_type):
     values, per_row = {}, {}
     for name, layout in layouts.items():
         base, denominator = objective.base_weights(batches[name], layout, valid, decay)
-        terms = objective.chunk_terms(logits, labels, valid, base)
+        terms = objective.chunk_terms(position_nll(logits, labels), valid, base)
         values[name] = objective.loss(terms.sums, terms.gold_probability_sum, valid.sum(), denominator)
         rows = layout.rows.tolist()
         if loss_type == "dpace":
@@ -323,20 +297,20 @@ def test_a_row_level_unit_would_differ_between_the_layouts(loss_type):
 @pytest.mark.parametrize("cls", [DFlashModule, DFlash2Module], ids=["dflash", "dflash2"])
 @pytest.mark.parametrize("loss_type", ["dpace-continuation-value-only", "lk-tv", "lk-lambda"])
 def test_chunked_vocabulary_terms_equal_one_piece(cls, loss_type):
-    packed, _, anchors = case()
+    packed, _, anchors = holed_case()
     one_piece = run(make(cls, loss_type=loss_type, logits_chunk_blocks=None), packed, anchors)
     chunked = run(make(cls, loss_type=loss_type, logits_chunk_blocks=3), packed, anchors)
     assert_same_outputs(chunked, one_piece)
 
 
 def test_lk_alpha_trains_exactly_like_the_default():
-    packed, _, anchors = case()
+    packed, _, anchors = holed_case()
     assert_same_outputs(run(make(loss_type="lk-alpha"), packed, anchors), run(make(), packed, anchors))
 
 
 def test_dflash2_selector_loss_is_weighted_by_the_dpace_weights():
     module = make(DFlash2Module, loss_type="dpace", selector_top_k=48)
-    packed_batch, _, anchors = case()
+    packed_batch, _, anchors = holed_case()
     output = module.compute_loss(packed_batch, anchors=anchors)
     with torch.no_grad():
         logits, targets, groups = module_logits(module, packed_batch, anchors)
@@ -406,7 +380,7 @@ def test_accept_len_skip_holes_is_logged_as_an_exact_ratio_of_sums(cls):
     # token, which a few steps teach, so the two batches accept differently.
     module = make(cls, num_anchors=64, learning_rate=1e-2, warmup_ratio=0.0)
     easy = stack_rows([packed_row([torch.full((10,), 7), torch.full((12,), 7)], 24)])
-    rows = [case()[0], supervise(easy, easy["position_ids"])]
+    rows = [holed_case()[0], supervise_holes(easy, easy["position_ids"])]
     loader = torch.utils.data.DataLoader(rows, batch_size=None)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -436,7 +410,7 @@ def test_blocks_of_one_document_ignore_the_others_under_every_objective(loss_typ
     def loss(docs: list[torch.Tensor]) -> DraftOutput:
         batch = stack_rows([packed_row(docs, 32)])
         return module.compute_loss(
-            supervise(batch, batch["position_ids"]), anchors=torch.tensor([[11, 13, 16]])
+            supervise_holes(batch, batch["position_ids"]), anchors=torch.tensor([[11, 13, 16]])
         )
 
     reference = loss([before, middle, after]).loss  # anchors only in the middle document (9..20)

@@ -9,18 +9,17 @@ import pytest
 import torch
 
 from lightning_drafts import Eagle3Module, MLAEagle3Module
-from lightning_drafts.core.acceptance import prefix_counts
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.live_slots import live_slots
 from lightning_drafts.eagle3.ttt import ttt_supervision
 from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
 from tests.eagle3_checks import assert_same_objective, build
+from tests.output_checks import TOLERANCE, assert_same_output
 
 FAMILIES = [(Eagle3Module, "llama"), (MLAEagle3Module, "deepseek_v3")]
 IDS = ["eagle3", "mla_eagle3"]
 STEPS = 4
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 LENGTHS = [14, 9, 3, 12, 6, 10]
 # Each document's prompt: longer than the unroll in the long documents, so some prompt slots are dead from
 # step 0 on, others come alive only at later steps.
@@ -106,23 +105,6 @@ def run(module: Eagle3Base, batch: dict) -> tuple[DraftOutput, dict[str, torch.T
     output = module.compute_loss(batch)
     output.loss.backward()
     return output, {name: p.grad for name, p in module.draft.named_parameters() if p.requires_grad}
-
-
-def assert_same_output(a: DraftOutput, b: DraftOutput) -> None:
-    """Everything the module logs from a ``DraftOutput``: loss, valid tokens, metrics, ratio sums, and the
-    chains the acceptance callback counts."""
-    torch.testing.assert_close(a.loss, b.loss, **TOLERANCE)
-    assert int(a.valid_tokens) == int(b.valid_tokens)
-    assert torch.equal(a.valid, b.valid) and torch.equal(a.correct, b.correct)
-    for count_a, count_b in zip(
-        prefix_counts(a.correct, a.valid), prefix_counts(b.correct, b.valid), strict=True
-    ):
-        assert torch.equal(count_a, count_b)
-    assert a.metrics.keys() == b.metrics.keys() and a.sums.keys() == b.sums.keys()
-    for name in a.metrics:
-        torch.testing.assert_close(a.metrics[name], b.metrics[name], **TOLERANCE)
-    for name in a.sums:
-        torch.testing.assert_close(a.sums[name], b.sums[name], **TOLERANCE)
 
 
 # Every batch on the default objective and CPU kernel; the dense reference kernel and the LK objectives on
