@@ -2,7 +2,8 @@
 answers accepts more tokens when served than one trained on the original answers, same steps and seed.
 
 The full-size run is ``benchmarks/regenerated_accept.py`` (README: Train on the target's own answers); here
-40 conversations and 50 steps, served on 8 prompts of 10 conversations neither draft trained on.
+40 conversations cut at 256 tokens and 50 steps, served on 8 prompts of 10 conversations neither draft
+trained on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def test_a_draft_trained_on_regenerated_answers_accepts_more_when_served(tmp_pat
         write(rows[40:], tmp_path / "heldout.jsonl"),
     )
     data = [
+        "--data.init_args.max_tokens=256",  # half the quickstart's rows: regenerate and fit cost half
         "--data.init_args.val_fraction=0",
         f"--data.init_args.val_data_files={heldout}",
         f"--data.init_args.cache_dir={tmp_path / 'cache'}",
