@@ -29,7 +29,6 @@ import time
 from itertools import islice
 from pathlib import Path
 
-import yaml
 from quickstarts import CLI, ROOT, run, scalars
 
 from lightning_drafts.datamodules.embedded import embedded_corpus_rows
@@ -43,22 +42,20 @@ def write_rows(rows: list[dict], path: Path) -> None:
             out.write(json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n")
 
 
-def fit_config(name: str, train: Path, heldout: Path, out: Path, steps: int) -> Path:
-    """The quickstart config trained on ``train``, validated on ``heldout``, logging to ``out/name``."""
-    config = yaml.safe_load(QUICKSTART.read_text())
-    data = config["data"]["init_args"]
-    data.pop("val_fraction", None)
-    data.update(data_files=[str(train)], val_data_files=[str(heldout)], cache_dir=str(out / "cache"))
-    config["trainer"].update(max_steps=steps, enable_progress_bar=False)
-    config["trainer"]["logger"]["init_args"].update(save_dir=str(out), name=name)
-    path = out / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+def data_overrides(train: Path, heldout: Path, out: Path) -> list[str]:
+    """The quickstart config's data, trained on ``train`` and validated on ``heldout`` (fit's dotted
+    overrides, which ``regenerate`` and ``evaluate`` take too)."""
+    return [
+        f"--data.init_args.data_files={train}",
+        "--data.init_args.val_fraction=0",
+        f"--data.init_args.val_data_files={heldout}",
+        f"--data.init_args.cache_dir={out / 'cache'}",
+    ]
 
 
-def data_match(config: Path, env: dict[str, str], documents: int) -> float:
+def data_match(data: list[str], env: dict[str, str], documents: int) -> float:
     done = subprocess.run(
-        [*CLI, "regenerate", f"--config={config}", f"--check={documents}"],
+        [*CLI, "regenerate", f"--config={QUICKSTART}", *data, f"--check={documents}"],
         env=env,
         capture_output=True,
         text=True,
@@ -86,14 +83,15 @@ def main() -> None:
     original, heldout = args.out / "original.jsonl", args.out / "heldout.jsonl"
     write_rows(rows[: args.train], original)
     write_rows(rows[args.train :], heldout)
-    configs = {"original": fit_config("original", original, heldout, args.out, args.steps)}
+    data = {"original": data_overrides(original, heldout, args.out)}
     regenerated = args.out / "regenerated.jsonl"
     start = time.perf_counter()
     run(
         [
             *CLI,
             "regenerate",
-            f"--config={configs['original']}",
+            f"--config={QUICKSTART}",
+            *data["original"],
             f"--output={regenerated}",
             f"--engine={args.engine}",
             f"--batch-size={args.batch_size}",
@@ -104,13 +102,19 @@ def main() -> None:
     )
     regenerate_wall = time.perf_counter() - start
     counts = json.loads(Path(f"{regenerated}.meta.json").read_text())["counts"]
-    configs["regenerated"] = fit_config("regenerated", regenerated, heldout, args.out, args.steps)
+    data["regenerated"] = data_overrides(regenerated, heldout, args.out)
 
     results = []
-    for name, config in configs.items():
-        match = data_match(config, env, documents=64)
+    for name, overrides in data.items():
+        match = data_match(overrides, env, documents=64)
         shutil.rmtree(args.out / name, ignore_errors=True)  # so the run is version_0
-        fit_wall, _ = run([*CLI, "fit", f"--config={config}"], env)
+        trainer = [
+            f"--trainer.max_steps={args.steps}",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={args.out}",
+            f"--trainer.logger.init_args.name={name}",
+        ]
+        fit_wall, _ = run([*CLI, "fit", f"--config={QUICKSTART}", *overrides, *trainer], env)
         log_dir = args.out / name / "version_0"
         export = args.out / f"{name}-export"
         run([*CLI, "export", str(log_dir / "checkpoints" / "best.ckpt"), str(export), "--overwrite"], env)
@@ -120,8 +124,9 @@ def main() -> None:
                 *CLI,
                 "evaluate",
                 str(export),
-                # Both drafts are served on the same prompts: the original config's held-out conversations.
-                f"--config={configs['original']}",
+                # Both drafts are served on the same prompts: the held-out conversations.
+                f"--config={QUICKSTART}",
+                *data["original"],
                 f"--num-prompts={args.num_prompts}",
                 "--max-new-tokens=64",
                 "--ignore-eos",
