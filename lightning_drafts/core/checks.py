@@ -40,6 +40,14 @@ def check_int(
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` itself when it is a bool (a switch: ``1`` or ``"yes"`` is a typo, not on), else a
+    ``ValueError`` naming it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} = {value!r}; it must be True or False")
+    return value
+
+
 def _int_kind(minimum: int | None, maximum: int | None) -> str:
     if minimum is not None and maximum is not None:
         return f"an int in [{minimum}, {maximum}]"

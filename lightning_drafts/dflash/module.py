@@ -39,7 +39,7 @@ from lightning_drafts.blockdraft.objective import (
 from lightning_drafts.core.acceptance import acceptance_length, prefix_counts, skip_holes_accept_sums
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.chain_positions import ChainPositions
-from lightning_drafts.core.checks import check_int
+from lightning_drafts.core.checks import check_bool, check_int
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import ratio
@@ -123,8 +123,7 @@ class DFlashModule(DraftModule):
         warmup_ratio: float = 0.04,
         **base_kwargs: Any,
     ) -> None:
-        if not isinstance(block_valid_only, bool):
-            raise ValueError(f"block_valid_only = {block_valid_only!r}; it must be True or False")
+        check_bool("block_valid_only", block_valid_only)
         # Before the target loads: a misspelt objective should not cost a model download.
         self.objective = BlockObjective(loss_type, dpace_alpha, kl_scale, kl_decay)
         # In the signature, not set by default inside: the CLI reads defaults from signatures and would

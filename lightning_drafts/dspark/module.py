@@ -29,7 +29,7 @@ from lightning_drafts.attention.block_masks import (
 from lightning_drafts.blockdraft.draft import draft_config
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.chain_positions import ChainPositions
-from lightning_drafts.core.checks import check_int, is_number
+from lightning_drafts.core.checks import check_bool, check_int, is_number
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import Sums, ratio
@@ -133,8 +133,7 @@ class DSparkModule(DraftModule):
         **base_kwargs: Any,
     ) -> None:
         # Cheap checks first: a real target takes minutes to load.
-        if not isinstance(block_valid_only, bool):
-            raise ValueError(f"block_valid_only = {block_valid_only!r}; it must be True or False")
+        check_bool("block_valid_only", block_valid_only)
         check_int("num_draft_layers", num_draft_layers, 1)
         BLOCK_SIZE.check(block_size)
         check_int("num_anchors", num_anchors, 1)

@@ -28,7 +28,7 @@ from lightning_drafts.attention.query_subset import (
 )
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import PackedBatch
-from lightning_drafts.core.checks import check_int, is_number
+from lightning_drafts.core.checks import check_bool, check_int, is_number
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
@@ -112,8 +112,7 @@ class Eagle3Base(DraftModule):
         ttt_live_slots_only: bool = True,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(ttt_live_slots_only, bool):
-            raise ValueError(f"ttt_live_slots_only = {ttt_live_slots_only!r}; it must be True or False")
+        check_bool("ttt_live_slots_only", ttt_live_slots_only)
         check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
         if draft_biases is not None and not isinstance(draft_biases, bool):
             raise ValueError(
