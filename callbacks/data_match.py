@@ -45,10 +45,7 @@ class DataMatchCallback(L.Callback):
             return
         for logger in trainer.loggers:
             logger.log_metrics({"data/target_match": result.share}, step=trainer.global_step)
-        figure = (
-            f"{result.share:.1%} of {result.supervised:,} supervised tokens in {result.documents} training "
-            "documents are the target's own greedy next token"
-        )
+        figure = result.describe()
         rank_zero_info(f"data match: {figure}")
         if result.share < self.warn_below:
             warnings.warn(

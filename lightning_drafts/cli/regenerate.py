@@ -35,12 +35,12 @@ def regenerate_main(args: list[str]) -> None:
     spec, seed = target_spec(parsed.target, config)
     if spec is None:
         raise SystemExit(f"{parsed.config} names no model.init_args.target; pass --target")
-    overrides: dict[str, Any] = {"setup_summary": False}
+    data_options: dict[str, Any] = {"setup_summary": False}
     if parsed.limit is not None:
-        overrides["max_documents"] = parsed.limit
+        data_options["max_documents"] = parsed.limit
     if parsed.cache_dir is not None:
-        overrides["cache_dir"] = parsed.cache_dir
-    datamodule = config_datamodule(config, **overrides)
+        data_options["cache_dir"] = parsed.cache_dir
+    datamodule = config_datamodule(config, **data_options)
 
     import torch
 
@@ -55,10 +55,7 @@ def regenerate_main(args: list[str]) -> None:
 
         datamodule.setup("fit")
         result = target_match(target, datamodule.train_documents, parsed.check)
-        print(
-            f"data match: {result.share:.1%} of {result.supervised:,} supervised tokens in {result.documents} "
-            "training documents are the target's own greedy next token"
-        )
+        print(f"data match: {result.describe()}")
         return
     if parsed.output is None:
         raise SystemExit("--output FILE.jsonl is required (or --check N to measure the data match only)")
@@ -83,8 +80,9 @@ def regenerate_main(args: list[str]) -> None:
 
         if not isinstance(spec, str):
             raise SystemExit("--engine vllm serves a target directory or hub id, not a config-dict target")
-        engine: Any = VLLMEngine(resolve_shipped(spec), stops, parsed.vllm_python)
-        target_config = AutoConfig.from_pretrained(resolve_shipped(spec))
+        directory = resolve_shipped(spec)
+        engine: Any = VLLMEngine(directory, stops, parsed.vllm_python)
+        target_config = AutoConfig.from_pretrained(directory)
     else:
         engine = TransformersEngine(frozen_target().model, datamodule.pad_token_id, stops)
         target_config = engine.model.config

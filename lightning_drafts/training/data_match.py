@@ -31,6 +31,15 @@ class DataMatch:
     def share(self) -> float | None:
         return self.matched / self.supervised if self.supervised else None
 
+    def describe(self) -> str:
+        """The figure as the fit console and ``regenerate --check`` print it."""
+        if self.share is None:
+            return f"no supervised token in {self.documents} training documents to compare with the target"
+        return (
+            f"{self.share:.1%} of {self.supervised:,} supervised tokens in {self.documents} training "
+            "documents are the target's own greedy next token"
+        )
+
 
 @torch.no_grad()
 def target_match(target: FrozenTarget, documents, num_documents: int = 16, seed: int = 0) -> DataMatch:

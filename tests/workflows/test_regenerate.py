@@ -17,7 +17,7 @@ from lightning_drafts.cli.main import run_cli
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.serving.decode import greedy_generate
 from lightning_drafts.serving.vllm_engine import VLLMRunError
-from lightning_drafts.training.data_match import target_match
+from lightning_drafts.training.data_match import DataMatch, target_match
 from lightning_drafts.training.target import FrozenTarget
 from lightning_drafts.workflows.regenerate import (
     RegenerateOptions,
@@ -358,6 +358,9 @@ def test_vllm_sampled_answers_depend_on_the_seed_not_on_the_batch(chats, tmp_pat
 
 
 def test_the_data_match_refuses_bad_settings(target, chats, tmp_path):
+    assert DataMatch(0, 0, 3).describe() == (
+        "no supervised token in 3 training documents to compare with the target"
+    )
     with pytest.raises(ValueError, match=r"num_documents = -1; it must be >= 0 \(0 turns the check off\)"):
         DataMatchCallback(num_documents=-1)
     with pytest.raises(ValueError, match=r"warn_below = 2; it must be a share in \[0, 1\]"):
