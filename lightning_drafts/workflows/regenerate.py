@@ -243,8 +243,12 @@ class RegenerateOptions:
                 f"{self.sampling.max_new_tokens}; lower max_new_tokens"
             )
 
-    def prompt_limit(self) -> tuple[int, str]:
-        """The longest prompt a turn may have, and the reason a longer one is not regenerated."""
+    def stop_reason(self, prompt_tokens: int) -> str | None:
+        """Why a turn whose prompt has ``prompt_tokens`` tokens is not generated, or None: the prompt is
+        longer than ``max_prompt_tokens`` or than what leaves ``max_new_tokens`` in the target's context
+        (the tighter bound named), or it already holds ``max_conversation_tokens`` (named first)."""
+        if self.max_conversation_tokens is not None and prompt_tokens >= self.max_conversation_tokens:
+            return f"prompt reached max_conversation_tokens={self.max_conversation_tokens}"
         limit = self.max_prompt_tokens
         reason = f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
         if self.context_tokens is not None and self.context_tokens - self.sampling.max_new_tokens < limit:
@@ -253,7 +257,7 @@ class RegenerateOptions:
                 f"prompt + max_new_tokens={self.sampling.max_new_tokens} longer than the target's context "
                 f"({self.context_tokens} tokens)"
             )
-        return limit, reason
+        return reason if prompt_tokens > limit else None
 
 
 def regenerate(
@@ -347,7 +351,6 @@ def _regenerate_batch(
         jobs += [(row, mode, list(messages), []) for mode in modes]
     finished, turn = [], 0
     encode = tokenizer.backend_tokenizer.encode
-    limit, too_long = options.prompt_limit()
     while jobs:
         requests, waiting, still = [], [], []
         for job in jobs:
@@ -361,9 +364,7 @@ def _regenerate_batch(
             prompt = encode(
                 render_prompt(so_far, template, tokenizer, **kwargs), add_special_tokens=False
             ).ids
-            stop = too_long if len(prompt) > limit else None
-            if options.max_conversation_tokens is not None and len(prompt) >= options.max_conversation_tokens:
-                stop = f"prompt reached max_conversation_tokens={options.max_conversation_tokens}"
+            stop = options.stop_reason(len(prompt))
             if stop is not None:
                 if any(m["role"] == "assistant" for m in so_far):
                     # What was generated is kept: the conversation ends at its last generated turn.
