@@ -246,6 +246,9 @@ class VLLMSession:
                 pass_fds=(write_end,),
             )
         except FileNotFoundError as error:
+            os.close(read_end)
+            self._log.close()
+            self._scratch.cleanup()
             raise VLLMUnavailableError(
                 f"cannot run {python}: {error}; rebuild it with .ci/vllm-env"
             ) from error

@@ -113,20 +113,16 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     if request.get("draft") is not None and not request.get("method"):
         raise ValueError("a request with a draft needs its vLLM 'method' (eagle3, dflash, ...)")
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     started = time.perf_counter()
     llm = LLM(**_engine_arguments(request))
     loaded = time.perf_counter()
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=int(request["max_new_tokens"]),
-        ignore_eos=bool(request.get("ignore_eos", False)),
-        stop_token_ids=[int(t) for t in request.get("stop_token_ids") or []],
-        detokenize=False,
+    outputs = llm.generate(
+        _token_prompts(request),
+        _call_parameters(request),  # greedy: a request has no temperature
+        use_tqdm=_progress_bar(bool(request.get("progress", False))),
     )
-    prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in request["prompts"]]
-    outputs = llm.generate(prompts, params, use_tqdm=_progress_bar(bool(request.get("progress", False))))
     generated = time.perf_counter()
     rounds, per_position = _counters(llm.get_metrics()) if request.get("draft") else (0, [])
     return {
@@ -139,9 +135,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _token_prompts(call: dict[str, Any]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [int(t) for t in ids]} for ids in call["prompts"]]
+
+
 def _call_parameters(call: dict[str, Any]) -> list[Any]:
-    """One ``SamplingParams`` per prompt: each sampled prompt draws from its own seeded generator, so what
-    it generates does not depend on the other prompts of the call."""
+    """One ``SamplingParams`` per prompt of a request or a serve call: greedy unless ``temperature`` > 0,
+    when each prompt draws from its own seeded generator, so what it generates does not depend on the
+    other prompts of the call."""
     from vllm import SamplingParams
 
     seeds = call.get("seeds") or [None] * len(call["prompts"])
@@ -152,6 +153,7 @@ def _call_parameters(call: dict[str, Any]) -> list[Any]:
             top_p=float(call.get("top_p", 1.0)) if temperature > 0 else 1.0,
             seed=None if temperature == 0 or seed is None else int(seed),
             max_tokens=int(call["max_new_tokens"]),
+            ignore_eos=bool(call.get("ignore_eos", False)),
             stop_token_ids=[int(t) for t in call.get("stop_token_ids") or []],
             detokenize=False,
         )
@@ -170,8 +172,7 @@ def serve(engine: dict[str, Any], calls: Any, reply: Any) -> None:
             continue
         try:
             call = json.loads(line)
-            prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in call["prompts"]]
-            outputs = llm.generate(prompts, _call_parameters(call), use_tqdm=False)
+            outputs = llm.generate(_token_prompts(call), _call_parameters(call), use_tqdm=False)
             answer: dict[str, Any] = {"generations": [list(o.outputs[0].token_ids) for o in outputs]}
         except Exception as error:  # the caller raises it with the engine's log; the engine stays up
             answer = {"error": f"{type(error).__name__}: {error}"}
