@@ -288,6 +288,26 @@ class DraftModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by norm under ``FSDPStrategy`` (FSDP1) through the root FSDP module's own
+        ``clip_grad_norm_``, which reduces the norm over every rank's shards: Lightning's ``FSDPPrecision``
+        refuses norm clipping (it has no handle on the root), and ``torch.nn.utils.clip_grad_norm_`` over one
+        rank's shards would clip by a partial norm. Every other strategy clips as Lightning does."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        by_norm = gradient_clip_algorithm is None or gradient_clip_algorithm == "norm"
+        if gradient_clip_val and by_norm and isinstance(self.trainer.strategy, FSDPStrategy):
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
+
     def configure_model(self) -> None:
         """Activation checkpointing of the draft layers (any strategy), then FSDP2 under
         ``ModelParallelStrategy``: shard each draft layer, then each draft root module.
