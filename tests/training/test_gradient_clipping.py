@@ -11,8 +11,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
