@@ -147,8 +147,11 @@ class FrozenTarget(nn.Module):
     ) -> None:
         super().__init__()
         self.model = build_causal_lm(model, dtype=dtype, seed=seed, decoder=decoder)
+        # Taken before any cast: the float32 rope tables every later cast is undone to.
+        self._rope_tables = float32_rope_tables(self.model)
         if dtype is not None:
             self.model.to(as_dtype(dtype))
+            self.keep_rope_tables_float32()
         self.model.requires_grad_(False)
         if not decoder:
             self.release_decoder()
@@ -162,6 +165,26 @@ class FrozenTarget(nn.Module):
             raise ValueError(
                 f"attn_backend {attn_backend!r} is unknown; choose 'auto' or one of {tuple(HF_ATTENTION)}"
             )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FrozenTarget:
+        # Every cast of the module tree (``.to(dtype)``, ``.bfloat16()``, a ``*-true`` precision's
+        # ``convert_module``) reaches the rope tables through here.
+        super()._apply(fn, recurse)
+        self.keep_rope_tables_float32()
+        return self
+
+    def keep_rope_tables_float32(self) -> None:
+        """Give the rotary embeddings back their float32 ``inv_freq`` / ``original_inv_freq`` where a cast
+        lowered them (on the device they are on). ``from_pretrained(dtype=bfloat16)`` keeps them float32 and
+        vLLM serves with float32 rope tables: rounded to bf16 (relative error ~4e-3), the angle at position
+        4095 is off by up to ~0.7 rad and the teacher's features drift from the served target's. Also run
+        before every forward, for casts that bypass ``Module._apply`` (FSDP1 casts buffers in place to its
+        ``buffer_dtype``)."""
+        for (module_name, buffer_name), table in self._rope_tables.items():
+            module = self.model.get_submodule(module_name)
+            current = module._buffers[buffer_name]
+            if current is not None and current.dtype != torch.float32:
+                module.register_buffer(buffer_name, table.to(current.device, copy=True), persistent=False)
 
     @property
     def config(self) -> Any:
@@ -249,6 +272,7 @@ class FrozenTarget(nn.Module):
                 "(target_decoder=False); train from a features directory (features_dir) or keep target_decoder"
             )
         self._check_layer_ids(layer_ids)
+        self.keep_rope_tables_float32()
         backend = self._select_backend(packed.input_ids.device)
         captured: dict[int, Tensor] = {}
         hooks = [
@@ -332,6 +356,29 @@ class FrozenTarget(nn.Module):
                 f"target layer ids {bad} are outside the target's {self.num_layers} decoder layers "
                 f"(valid: 0..{self.num_layers - 1}; ids name layer outputs, HF hidden_states[id + 1])"
             )
+
+
+ROPE_TABLES = ("inv_freq", "original_inv_freq")
+
+
+def float32_rope_tables(model: nn.Module) -> dict[tuple[str, str], Tensor]:
+    """``(module name, buffer name) -> float32 table`` of every rotary embedding in ``model``: its own
+    buffer where it is still float32, else the table a fresh rotary module of its config computes (a model
+    instance handed over already cast)."""
+    tables: dict[tuple[str, str], Tensor] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module._buffers.get("inv_freq"), Tensor):
+            continue
+        fresh = None
+        for buffer_name in ROPE_TABLES:
+            buffer = module._buffers.get(buffer_name)
+            if buffer is None:
+                continue
+            if buffer.dtype != torch.float32:
+                fresh = fresh or type(module)(module.config)
+                buffer = fresh._buffers[buffer_name]
+            tables[(name, buffer_name)] = buffer.detach().float().clone().cpu()
+    return tables
 
 
 def default_capture_layers(num_layers: int) -> list[int]:
