@@ -7,8 +7,9 @@ Three ways to keep packed documents apart, all derived from the per-token docume
   cut it into a :class:`~lightning_drafts.attention.tiled.TiledMask` so their attention skips the keys
   no query sees (``eager`` keeps the plain dense math as a reference);
 * ``flex``: a sparse flex-attention ``BlockMask`` built from a ``mask_mod`` (the GPU path; mask creation
-  and the kernel are compiled once, lazily, on CUDA only: compiling costs seconds and CPU flex has no
-  backward, so the CPU keeps the eager functions);
+  and the kernel are compiled once, lazily, on CUDA only, through entry points of their own
+  (:func:`compiled_flex_attention`): compiling costs seconds and CPU flex has no backward, so the CPU
+  keeps the eager functions);
 * ``flash``: FlashAttention varlen over the real tokens of the micro-batch flattened into one
   sequence (GPU with flash-attn installed; imported lazily, never at module import).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from lightning_drafts.attention.tiled import TiledMask, tiled_attention
 
@@ -82,13 +84,13 @@ def document_causal_mask_mod(doc_ids: Tensor) -> MaskMod:
 
 def block_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):
     """A sparse flex ``BlockMask`` (built once per batch, shared by every layer and step)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     # Eager creation evaluates the mask_mod densely over Q x KV; compiled, it never materialises it.
-    compiled = torch.device(device).type == "cuda"
-    return create_block_mask(
-        mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=compiled
-    )
+    create = _compiled_create_block_mask() if torch.device(device).type == "cuda" else _create_block_mask
+    return create(mask_mod, batch, q_len, kv_len, device)
+
+
+def _create_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
 
 
 def dense_mask_from_mask_mod(
@@ -121,7 +123,7 @@ def attention_with_lse(
         probs = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
         probs = probs.nan_to_num(0.0)
         return torch.matmul(probs.to(value.dtype), value), lse
-    return _flex_with_lse(flex_attention_for(query.device), query, key, value, mask, scale)
+    return _flex_with_lse(flex_attention_for(query.device, with_lse=True), query, key, value, mask, scale)
 
 
 def masked_attention(
@@ -133,38 +135,58 @@ def masked_attention(
         return tiled_attention(query, key, value, mask, scale, with_lse=False)[0]
     if isinstance(mask, Tensor):
         return attention_with_lse(query, key, value, mask, scale)[0]
-    return flex_attention_for(query.device)(query, key, value, block_mask=mask, scale=scale)
+    return flex_attention_for(query.device)(query, key, value, mask, scale)
 
 
-def flex_attention_for(device: torch.device) -> Callable[..., Any]:
-    """flex_attention compiled once per process on CUDA (eager flex is a slow reference there); the
-    eager function elsewhere."""
+def flex_attention_for(device: torch.device, with_lse: bool = False) -> Callable[..., Any]:
+    """The drafts' flex attention ``(query, key, value, block_mask, scale) -> out`` (``(out, lse)`` with
+    ``with_lse``): compiled once per process on CUDA (eager flex is a slow reference there), the eager
+    function elsewhere (CPU flex has no backward)."""
     if device.type == "cuda":
-        return _compiled_flex_attention()
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
+        return compiled_flex_attention(with_lse)
+    return _flex_lse if with_lse else _flex
 
 
 def _flex_with_lse(
     flex: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor, mask: object, scale: float
 ) -> tuple[Tensor, Tensor]:
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:  # torch < 2.9 only knows return_lse (deprecated since)
-        out, lse = flex(query, key, value, block_mask=mask, scale=scale, return_lse=True)
-        return out, lse.float()
-    out, aux = flex(query, key, value, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
-    return out, aux.lse.float()
+    out, lse = flex(query, key, value, mask, scale)
+    return out, lse.float()
+
+
+# Separate entry points, each its own function, because dynamo keeps one cache per code object and
+# stops compiling a function after `torch.compiler.config.recompile_limit` (8) variants, running it
+# unfused (the full score matrix) from then on, silently. transformers compiles `flex_attention` itself
+# for the target's layers; were the drafts to compile that same function, the target's variants and
+# every draft's (head counts, head dims, with and without the log-sum-exp, batch shapes) would share one
+# cache and exhaust it.
+def _flex(query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float) -> Tensor:
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale)
+
+
+def _flex_lse(
+    query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float
+) -> tuple[Tensor, Tensor]:
+    out, aux = flex_attention(
+        query, key, value, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
+    )
+    return out, aux.lse
 
 
 @functools.cache
-def _compiled_flex_attention() -> Callable[..., Any]:
-    from torch.nn.attention.flex_attention import flex_attention
+def compiled_flex_attention(with_lse: bool = False) -> Callable[..., Any]:
+    """The compiled draft entry point (:func:`_flex` or :func:`_flex_lse`), created once per process.
 
-    # Shapes change every batch (block drafts: M * block_size queries); the default automatic-dynamic
-    # policy recompiles once with symbolic shapes instead of once per shape.
-    return torch.compile(flex_attention)
+    Shapes change every batch (block drafts: M * block_size queries; EAGLE-3: the live slots); the default
+    automatic-dynamic policy recompiles once with symbolic shapes instead of once per shape."""
+    return torch.compile(_flex_lse if with_lse else _flex)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    # `create_block_mask(_compile=True)` is deprecated (a fresh compile wrapper per call); one compiled
+    # entry point of our own instead, whose cache holds one variant per mask_mod kind.
+    return torch.compile(_create_block_mask)
 
 
 def flash_varlen_attention(
