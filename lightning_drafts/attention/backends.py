@@ -113,6 +113,7 @@ def attention_with_lse(
     through the returned log-sum-exp, so it carries gradients. A query with no visible key returns
     zeros and ``-inf``, never NaN.
     """
+    query, key, value = one_dtype(query, key, value)
     if isinstance(mask, TiledMask):
         out, lse = tiled_attention(query, key, value, mask, scale, with_lse=True)
         return out, lse
@@ -131,11 +132,25 @@ def masked_attention(
 ) -> Tensor:
     """:func:`attention_with_lse` without the log-sum-exp, for callers that merge nothing into it:
     the tiled and flex paths then skip the work the log-sum-exp's gradient needs."""
+    query, key, value = one_dtype(query, key, value)
     if isinstance(mask, TiledMask):
         return tiled_attention(query, key, value, mask, scale, with_lse=False)[0]
     if isinstance(mask, Tensor):
         return attention_with_lse(query, key, value, mask, scale)[0]
     return flex_attention_for(query.device)(query, key, value, mask, scale)
+
+
+def one_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` in one dtype, as the attention kernels (flex, the CPU flash kernel) require: under
+    autocast its lower-precision dtype (what SDPA computes in there), else their promoted dtype. Under
+    ``bf16-mixed`` a projection's output is bf16 but a float32-weight RMSNorm after it returns float32
+    (queries and keys), while the values come straight from their bf16 projection."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def flex_attention_for(device: torch.device, with_lse: bool = False) -> Callable[..., Any]:

@@ -2,7 +2,7 @@
 
 Usage: recipe_on_cpu.py OUT_DIR RECIPE [RECIPE ...]   (each runs in OUT_DIR/<recipe stem>)
 
-Kept from the recipe: the strategy (FSDP2 ``ModelParallelStrategy``), ``bf16-true``, the draft's
+Kept from the recipe: the strategy (FSDP2 ``ModelParallelStrategy``), the precision (``bf16-mixed``), the draft's
 hyperparameters, the callbacks and checkpoint policy. Replaced: the target and the size-bound fields
 that follow it (from the quickstart config of the same draft: a shipped tiny target, its mask id, layer
 ids and draft vocabulary), the data (the embedded corpus, with the quickstart's tokenizer), the
