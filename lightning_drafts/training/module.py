@@ -178,6 +178,7 @@ class DraftModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._check_target_dtype()
+        self._check_fsdp1_units()
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             self._check_features_of(datamodule)
@@ -192,6 +193,25 @@ class DraftModule(L.LightningModule):
         if getattr(self, "_features_checked", None) != key:
             self.check_features(manifest)
             self._features_checked = key
+
+    def _check_fsdp1_units(self) -> None:
+        """Under ``FSDPStrategy`` (FSDP1) the target's decoder layers must be FSDP units of their own: a
+        checkpoint leaves them out of the module's state dict (:meth:`FrozenTarget.state_dict`), which FSDP1
+        allows for whole units only (it refuses, at the first save, a unit whose parameters are missing)."""
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not isinstance(self.trainer.strategy, FSDPStrategy) or getattr(
+            self.target, "decoder_released", False
+        ):
+            return
+        layers = self.target.decoder_layers
+        if not all(isinstance(layer, FullyShardedDataParallel) for layer in layers):
+            raise ValueError(
+                f"FSDPStrategy did not wrap the target's decoder layers ({type(layers[0]).__name__}) as FSDP "
+                "units; name their class in the strategy's auto_wrap_policy (e.g. "
+                "[transformers.models.llama.modeling_llama.LlamaDecoderLayer])"
+            )
 
     def check_data(self, datamodule: Any) -> None:
         """A family's checks of its hyperparameters against the data it is about to train on (the block
@@ -390,9 +410,16 @@ class DraftModule(L.LightningModule):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        # Checkpoints hold only the draft: the target keeps the weights it was built with.
-        target_state = {k: v for k, v in self.state_dict().items() if k.startswith(TARGET_PREFIX)}
-        return super().load_state_dict({**target_state, **state_dict}, strict=strict, assign=assign)
+        # Checkpoints hold only the draft: the target keeps the weights it was built with, and strict
+        # loading asks for every key but the target's.
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [key for key in result.missing_keys if not key.startswith(TARGET_PREFIX)]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing[:5]}, "
+                f"unexpected keys {result.unexpected_keys[:5]}"
+            )
+        return result
 
     def export(self, output_dir: Path) -> Path:
         """Write the serving layout of this draft (implemented by each family)."""

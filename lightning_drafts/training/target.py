@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -185,6 +186,33 @@ class FrozenTarget(nn.Module):
             current = module._buffers[buffer_name]
             if current is not None and current.dtype != torch.float32:
                 module.register_buffer(buffer_name, table.to(current.device, copy=True), persistent=False)
+
+    def state_dict(
+        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Everything but the decoder layers, which no checkpoint holds: left unvisited, a strategy never
+        gathers them to save them (FSDP1's full state dict unshards each FSDP unit it visits, FSDP2's
+        full state dict gathers and copies to the CPU every tensor it is handed: ~14 GB of a Llama-3.1-8B's
+        16 GB of bf16 weights, which ``on_save_checkpoint`` would then drop). The embedding, final norm
+        and LM head stay (under FSDP1 they share the root's FSDP unit with the draft, which expects them).
+        ``self.model.state_dict()`` still holds the whole model."""
+        if destination is None:
+            destination = OrderedDict()
+        skipped = self.decoder_layers
+        path = next(name for name, module in self.named_modules() if module is skipped).split(".")
+        around = {id(self.get_submodule(".".join(path[:depth]))) for depth in range(len(path))}
+
+        def visit(module: nn.Module, module_prefix: str) -> None:
+            if id(module) not in around:
+                module.state_dict(destination=destination, prefix=module_prefix, keep_vars=keep_vars)
+                return
+            module._save_to_state_dict(destination, module_prefix, keep_vars)
+            for name, child in module._modules.items():
+                if child is not None and child is not skipped:
+                    visit(child, f"{module_prefix}{name}.")
+
+        visit(self, prefix)
+        return destination
 
     @property
     def config(self) -> Any:

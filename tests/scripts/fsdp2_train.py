@@ -23,7 +23,7 @@ def loader() -> torch.utils.data.DataLoader:
 
 
 def main(out: Path, phase: str) -> None:
-    module = NextTokenProbe(TINY_TARGETS["llama"])
+    module = NextTokenProbe(TINY_TARGETS["llama"], shard_target=True)
     strategy = ModelParallelStrategy(
         data_parallel_size=2,
         tensor_parallel_size=1,
@@ -42,13 +42,17 @@ def main(out: Path, phase: str) -> None:
     )
     ckpt = out / "fsdp2.ckpt"
     trainer.fit(module, loader(), ckpt_path=ckpt if phase == "resume" else None)
+    # What the strategy gathers to rank 0 for a save (a collective: every rank calls it).
+    gathered = sorted(k for k in trainer.strategy.lightning_module_state_dict() if k.startswith("target."))
     trainer.save_checkpoint(out / f"{phase}.ckpt")
     if trainer.is_global_zero:
         if phase == "train":
             (out / f"{phase}.ckpt").rename(ckpt)
         sharded = type(module.head.weight).__name__
         (out / f"{phase}.json").write_text(
-            json.dumps({"global_step": trainer.global_step, "param_type": sharded})
+            json.dumps(
+                {"global_step": trainer.global_step, "param_type": sharded, "gathered_target": gathered}
+            )
         )
 
 

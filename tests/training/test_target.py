@@ -138,3 +138,25 @@ def test_default_capture_layers():
     assert default_capture_layers(61) == [1, 29, 57]
     with pytest.raises(ValueError, match="too shallow"):
         default_capture_layers(6)
+
+
+def test_the_state_dict_leaves_out_the_decoder_layers_and_loading_does_not_ask_for_them():
+    """No checkpoint holds the target, so a save must never visit (gather, copy) its decoder layers: the
+    module's state dict holds its embedding, final norm and LM head only; the wrapped model's own state
+    dict is whole; a draft-only state dict loads strictly, one missing a draft key does not."""
+    from tests.probe_draft import NextTokenProbe
+
+    module = NextTokenProbe(TINY_TARGETS["llama"])
+    target_keys = sorted(k for k in module.state_dict() if k.startswith("target."))
+    assert target_keys == [
+        "target.model.lm_head.weight",
+        "target.model.model.embed_tokens.weight",
+        "target.model.model.norm.weight",
+    ]
+    assert any(".layers." in k for k in module.target.model.state_dict())
+    draft = {k: v.clone() + 1 for k, v in module.draft_state_dict().items()}
+    module.load_state_dict(draft)
+    assert torch.equal(module.head.weight, draft["head.weight"])
+    with pytest.raises(RuntimeError, match="missing keys.*head.bias"):
+        module.load_state_dict({"head.weight": draft["head.weight"]})
+    module.load_state_dict({"head.weight": draft["head.weight"]}, strict=False)
