@@ -1,15 +1,18 @@
 """One training step of every draft on 2 CPU processes (gloo); save each draft's full gradients.
 
-Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2)
+Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2 | fsdp1)
 
 Writes ``OUT_DIR/{draft}.pt`` (the gradients, the weights they were taken at, the optimizer's settings and
 whether the target's layers were sharded), the
-validation metrics and the checkpoint after that step, and the checkpoint of a second step resumed
+validation metrics (not under FSDP1) and the checkpoint after that step, and the checkpoint of a second step resumed
 from it. Under FSDP2
 (ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
 block drafts also chunk their vocabulary terms (gradients taken inside forward, handed to the weights
 FSDP2 unshards); under DDP they compute them in one piece. Same seeds and data, so the two strategies
-must save the same gradients.
+must save the same gradients. Under FSDP1 (Lightning's ``FSDPStrategy``, the target's decoder layers
+wrapped as the FSDP1 recipe wraps them, full state dicts) the drafts compute as under DDP. Every strategy
+clips the gradients by norm (the recipes' ``gradient_clip_val``) to a value below their norm, so the
+gradients saved are the clipped ones the optimizer stepped with.
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import FullStateDictConfig, OptimStateKeyType, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.api import FullOptimStateDictConfig
 from torch.distributed.tensor import DTensor
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from lightning_drafts import Eagle3Module
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
@@ -49,35 +58,97 @@ DRAFTS = {
 }
 
 
+CLIP = 0.05  # below every draft's gradient norm here: clipping acts on every step
+
+
 class SaveGradients(L.Callback):
+    """The weights before the step, and the gradients the optimizer stepped with: after clipping, they
+    stay on the parameters until the next step's ``zero_grad``."""
+
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-        grads, weights = {}, {}
-        for name, param in module.named_parameters():
-            if param.grad is not None:
-                grads[name] = whole(param.grad)
-                weights[name] = whole(param)
-        layer = next(module.target.decoder_layers[0].parameters())
+        self.weights = full_parameters(trainer, module, grads=False)
         (group,) = optimizer.param_groups
         # The step's own settings, so the test can apply AdamW's first step to these weights and gradients.
-        adamw = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+        self.adamw = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        grads = full_parameters(trainer, module, grads=True)
+        layer = module.target.decoder_layers[0]
+        sharded = isinstance(layer, FSDP) or isinstance(next(layer.parameters()), DTensor)
         if trainer.is_global_zero:
             torch.save(
                 {
                     "grads": grads,
-                    "weights_before": weights,
-                    "adamw": adamw,
-                    "target_sharded": isinstance(layer, DTensor),
+                    "weights_before": {n: self.weights[n] for n in grads},
+                    "adamw": self.adamw,
+                    "target_sharded": sharded,
                 },
                 self.out,
             )
 
 
+def full_parameters(trainer: L.Trainer, module: L.LightningModule, grads: bool) -> dict[str, torch.Tensor]:
+    """Every trainable parameter (or its gradient) whole, by its name in the module; collectives under
+    FSDP1 and FSDP2, so every rank calls it."""
+    if isinstance(trainer.strategy, FSDPStrategy):
+        with FSDP.summon_full_params(trainer.strategy.model, with_grads=grads, writeback=False):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): (p.grad if grads else p).detach().clone()
+                for n, p in module.named_parameters()
+                if p.requires_grad and (p.grad is not None or not grads)
+            }
+    return {
+        n: whole(p.grad if grads else p)
+        for n, p in module.named_parameters()
+        if p.requires_grad and (p.grad is not None or not grads)
+    }
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a (possibly FSDP2-sharded) parameter or gradient; a collective under FSDP2."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` with the two arguments torch's FSDP1 needs on a CPU, the rest as is:
+    the CPU as the FSDP device (Lightning passes ``device_id=None`` there, which FSDP1 refuses: "FSDP
+    needs a non-CPU accelerator device"), and full state dicts without ``offload_to_cpu`` (on tensors
+    already on the CPU, FSDP1 frees the storage the copy shares and the save segfaults)."""
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if any(isinstance(module, FSDP) for module in model.modules()):
+            return super()._setup_model(model)  # wrapped by an earlier run: Lightning wraps nothing more
+        return FSDP(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+    def _full_state_dicts(self):
+        return FSDP.state_dict_type(
+            self.model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        )
+
+    def lightning_module_state_dict(self) -> dict:
+        with self._full_state_dicts():
+            return self.model.state_dict()
+
+    def optimizer_state(self, optimizer) -> dict:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        with self._full_state_dicts():
+            state = FSDP.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            return state
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -88,6 +159,13 @@ def loader() -> torch.utils.data.DataLoader:
 def strategy_of(name: str) -> object:
     if name == "ddp":
         return "ddp"
+    if name == "fsdp1":
+        # As the FSDP1 recipe: the target's decoder layers are the FSDP units.
+        return CPUFSDPStrategy(
+            process_group_backend="gloo",
+            state_dict_type="full",
+            auto_wrap_policy={LlamaDecoderLayer, Qwen3DecoderLayer, DeepseekV3DecoderLayer},
+        )
     return ModelParallelStrategy(
         data_parallel_size=2,
         tensor_parallel_size=1,
@@ -123,6 +201,7 @@ def trainer(strategy: str, steps: int, callbacks: list[L.Callback]) -> L.Trainer
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        gradient_clip_val=CLIP,
     )
 
 
@@ -132,10 +211,13 @@ def step_save_resume(out: Path, draft: str, strategy: str) -> None:
     first = trainer(strategy, 1, [SaveGradients(out / f"{draft}.pt")])
     module = build(draft, strategy)
     first.fit(module, loader())
-    L.seed_everything(1)  # the same anchors on each rank under both strategies
-    (metrics,) = first.validate(module, loader(), verbose=False)
-    if first.is_global_zero:
-        (out / f"{draft}-val.json").write_text(json.dumps({k: float(v) for k, v in metrics.items()}))
+    # FSDPStrategy cannot validate a module a finished fit left wrapped (its root's parameters stay empty
+    # shards and Lightning wraps only a module without FSDP units): FSDP1 validates inside fit.
+    if strategy != "fsdp1":
+        L.seed_everything(1)  # the same anchors on each rank under both strategies
+        (metrics,) = first.validate(module, loader(), verbose=False)
+        if first.is_global_zero:
+            (out / f"{draft}-val.json").write_text(json.dumps({k: float(v) for k, v in metrics.items()}))
     first.save_checkpoint(out / f"{draft}.ckpt")
     second = trainer(strategy, 2, [])
     second.fit(build(draft, strategy), loader(), ckpt_path=out / f"{draft}.ckpt")
