@@ -200,8 +200,9 @@ def compiled_flex_attention(with_lse: bool = False) -> Callable[..., Any]:
 @functools.cache
 def _compiled_create_block_mask() -> Callable[..., Any]:
     # `create_block_mask(_compile=True)` is deprecated (a fresh compile wrapper per call); one compiled
-    # entry point of our own instead, whose cache holds one variant per mask_mod kind.
-    return torch.compile(_create_block_mask)
+    # entry point of our own instead. Symbolic sizes from the first call: its cache then holds about one
+    # variant per mask_mod kind (document-causal, EAGLE-3's live subset, the block drafts', each window).
+    return torch.compile(_create_block_mask, dynamic=True)
 
 
 def flash_varlen_attention(

@@ -43,7 +43,9 @@ def updates(precision: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.dt
     )
     trainer.fit(module, loader())
     params = dict(module.named_parameters())
-    return {n: params[n].detach().float() - w for n, w in before.items()}, {n: params[n].dtype for n in before}
+    return {n: params[n].detach().float() - w for n, w in before.items()}, {
+        n: params[n].dtype for n in before
+    }
 
 
 @pytest.fixture(scope="module")

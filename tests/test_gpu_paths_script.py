@@ -1,0 +1,80 @@
+"""tests/scripts/gpu_paths.py, the GPU acceptance run, dry-run on a CPU: every check that has a CPU
+forward passes, the CUDA-only ones are reported SKIP with their reason, and the JSON report holds the
+versions, the device and each check's status, numbers and seconds; the time guard skips what would start
+after the budget."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "gpu_paths.py"
+CPU_CHECKS = {
+    "auto_resolves_as_documented",
+    "rope_tables_stay_float32",
+    "flex_kernel_equals_sdpa",
+    "packed_equals_padded_under_flex",
+    "flex_equals_sdpa_for_every_draft",
+    "live_slots_equal_every_slot_under_flex",
+    "bf16_mixed_follows_float32",
+}
+CUDA_CHECKS = {
+    "flash_varlen_target_equals_sdpa",
+    "one_gpu_fit_with_fsdp1_and_fsdp2",
+    "throughput_packed_vs_padded",
+}
+
+
+def run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "gpu_paths.json"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    return proc, json.loads(out.read_text())
+
+
+def test_the_cpu_dry_run_passes_every_check_with_a_cpu_forward(tmp_path):
+    proc, report = run(tmp_path, "--quick")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    environment = report["environment"]
+    assert environment["device"] == "cpu" and environment["device_name"]
+    assert {"torch", "triton", "flash-attn", "transformers", "lightning"} <= environment["versions"].keys()
+    assert environment["versions"]["torch"] == importlib.metadata.version("torch")
+    status = {check["check"]: check for check in report["checks"]}
+    assert status.keys() == CPU_CHECKS | CUDA_CHECKS
+    for name in CPU_CHECKS:
+        assert status[name]["status"] == "PASS", (name, status[name].get("error"))
+    for name in CUDA_CHECKS:
+        assert status[name]["status"] == "SKIP" and "CUDA" in status[name]["reason"], name
+    assert all(check["seconds"] >= 0 for check in report["checks"])
+    assert status["auto_resolves_as_documented"]["numbers"]["target"] == "sdpa"
+    numbers = status["bf16_mixed_follows_float32"]["numbers"]
+    assert numbers.keys() == {"eagle3", "dflash"} and numbers["eagle3"]["max_relative_loss_gap"] < 0.02
+
+
+def test_the_time_guard_skips_what_would_start_after_the_budget(tmp_path):
+    proc, report = run(
+        tmp_path, "--budget", "0", "--checks", "auto_resolves_as_documented", "rope_tables_stay_float32"
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [c["check"] for c in report["checks"]] == [
+        "auto_resolves_as_documented",
+        "rope_tables_stay_float32",
+    ]
+    assert all(c["status"] == "SKIP" and "budget" in c["reason"] for c in report["checks"])
