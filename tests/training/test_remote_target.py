@@ -1,7 +1,8 @@
 """The target on its own Ray workers (``target_workers``): exact, nothing lost, nothing duplicated.
 
-The Ray checks run as one subprocess script each (tests/scripts/remote_target_checks.py), which starts
-one local Ray and real worker processes; the ledger's rules are checked here directly."""
+The Ray checks run as subprocess scripts (tests/scripts/remote_target_checks.py for one trainer,
+remote_target_ddp.py for two gloo ranks), each starting one local Ray and real worker processes; the
+ledger's rules are checked here directly."""
 
 from __future__ import annotations
 
@@ -50,6 +51,26 @@ def test_two_workers_train_every_family_as_the_co_located_target_and_lose_or_dup
         "OK mismatched worker refused",
     ):
         assert check in out, out
+
+
+def test_two_trainer_ranks_each_train_on_exactly_their_own_units(tmp_path):
+    # About 2 minutes on the shared 2-core machine (two 2-process gloo runs); the timeout guards a hang.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "scripts" / "remote_target_ddp.py"),
+            CONFIGS[2],
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    assert "OK two ranks each trained on their own units exactly" in done.stdout, done.stdout
 
 
 def test_importing_the_library_does_not_import_ray():
