@@ -27,6 +27,7 @@ from lightning_drafts.core.digest import state_digest
 from lightning_drafts.training.target_worker import TargetWorker
 
 STEPS = 4
+VALIDATED = "configs/quickstart/dflash.yaml"
 DATA = [
     "--data.init_args.max_documents=24",
     "--data.init_args.max_tokens=96",
@@ -45,10 +46,16 @@ class Losses(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # The run's RemoteTarget (the module lets go of it at teardown).
+        self.remote = pl_module.remote_target
+
 
 def build(config: str, *overrides: str):
     L.seed_everything(0, verbose=False)
-    return build_from_config(["--config", config, *DATA, *overrides])
+    # One family validates too (a quarter of the documents held out).
+    held_out = ["--data.init_args.val_fraction=0.25"] if config == VALIDATED else []
+    return build_from_config(["--config", config, *DATA, *held_out, *overrides])
 
 
 def fit(
@@ -72,11 +79,14 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        # Validation (of the configs that hold validation documents) every 2 steps, through the workers too.
+        val_check_interval=2,
+        limit_val_batches=2,
         callbacks=callbacks,
     )
     trainer.fit(model, datamodule=data, ckpt_path=resume)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return losses.losses, state_digest(model.draft_state_dict()), remote, metrics
+    return losses.losses, state_digest(model.draft_state_dict()), remote or losses.remote, metrics
 
 
 def same(name: str, reference, run) -> None:
@@ -100,6 +110,16 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
             callbacks=[saver] if config == configs[0] else [],
         )
         same(config, reference, run)
+        if config == VALIDATED:
+            assert "val/loss" in reference[3] and run[3]["val/loss"] == reference[3]["val/loss"], (
+                run[3],
+                reference[3],
+            )
+            runs = sorted({u.epoch for u in run[2].ledger.consumed if u.split == "val"})
+            assert runs == [1, 2], runs
+            print(
+                f"OK validation through the workers: val/loss {run[3]['val/loss']} in runs {runs}", flush=True
+            )
         # What TensorBoard gets: the trainer's wait for features and the units in flight, per step.
         assert "target/wait_s" in run[3] and "target/units_in_flight" in run[3], sorted(run[3])
         print(f"[{time.monotonic() - START:.0f} s] OK exact {config} losses={reference[0]}", flush=True)
