@@ -107,8 +107,9 @@ class DraftModule(L.LightningModule):
                 "target_workers needs a target the workers can build themselves: a hub id / path or a config "
                 f"dict, not a {type(target).__name__} instance"
             )
-        # What a target worker builds: the trainer's own target.
-        self.target_spec = target
+        # What a target worker builds: the trainer's own target (an instance is not kept twice: as an
+        # attribute of a module it would become a submodule, and its weights checkpoint keys).
+        self.target_spec = target if isinstance(target, (str, dict)) else None
         self.remote_target: RemoteTarget | None = None
         self.target = FrozenTarget(
             target,
@@ -254,10 +255,16 @@ class DraftModule(L.LightningModule):
             loader = trainer.train_dataloader if split == "train" else trainer.val_dataloaders
             if isinstance(loader, (list, tuple)):
                 loader = loader[dataloader_idx]
-            epoch = loader.dataset.epoch if split == "train" else self._validation_runs
-            accumulate = trainer.accumulate_grad_batches if split == "train" else 1
+            if split == "train":
+                epoch, accumulate, limit = loader.dataset.epoch, trainer.accumulate_grad_batches, None
+            else:
+                epoch, accumulate = self._validation_runs, 1
+                counts = (
+                    trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+                )
+                limit = counts[dataloader_idx] if dataloader_idx < len(counts) else None
             feed = self._feeds[split] = PlannedUnits(
-                split, loader.dataset, epoch, trainer.global_rank, accumulate
+                split, loader.dataset, epoch, trainer.global_rank, accumulate, limit
             )
         request = self.feature_request()
         hidden, dtype = int(self.target.text_config.hidden_size), self.target.compute_dtype
@@ -282,6 +289,11 @@ class DraftModule(L.LightningModule):
         if self.remote_target is not None:
             self._feeds.pop("val", None)
             self._validation_runs += 1
+
+    def on_validation_epoch_end(self) -> None:
+        # Units a validation run sent ahead but did not reach (a shorter limit than planned) are let go.
+        if self.remote_target is not None:
+            self.remote_target.forget("val")
 
     def teardown(self, stage: str) -> None:
         if self.remote_target is not None:

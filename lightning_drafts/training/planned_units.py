@@ -21,9 +21,12 @@ from lightning_drafts.training.unit_ledger import Unit
 
 class PlannedUnits:
     """Units of one pass of ``dataset`` (a planned-micro-batch dataset with ``epoch``, ``skip`` and
-    ``plan``) for ``rank``, from its ``skip`` on; ``accumulate`` micro-batches make an optimizer step."""
+    ``plan``) for ``rank``, from its ``skip`` on; ``accumulate`` micro-batches make an optimizer step; the
+    pass ends after ``limit`` batches (the trainer's ``limit_*_batches``) if that comes first."""
 
-    def __init__(self, split: str, dataset: Any, epoch: int, rank: int, accumulate: int) -> None:
+    def __init__(
+        self, split: str, dataset: Any, epoch: int, rank: int, accumulate: int, limit: float | None = None
+    ) -> None:
         for needed in ("skip", "plan", "documents"):
             if not hasattr(dataset, needed):
                 raise ValueError(
@@ -36,6 +39,7 @@ class PlannedUnits:
         self.rank = int(rank)
         self.accumulate = max(int(accumulate), 1)
         self.cursor = int(getattr(dataset, "skip", 0)) if split == "train" else 0
+        self.end = len(dataset) if limit is None or limit == float("inf") else min(len(dataset), int(limit))
 
     def unit(self, index: int) -> Unit:
         step, micro = divmod(int(index), self.accumulate)
@@ -51,7 +55,7 @@ class PlannedUnits:
 
     def upcoming(self, depth: int) -> Iterator[int]:
         """Indices of the ``depth`` batches after the current one, within the pass."""
-        return iter(range(self.cursor, min(self.cursor + depth, len(self.dataset))))
+        return iter(range(self.cursor, min(self.cursor + depth, self.end)))
 
     def rows(self, index: int) -> dict[str, Tensor]:
         """The contract keys of micro-batch ``index`` (what the loader will yield, without features)."""

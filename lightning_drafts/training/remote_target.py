@@ -211,6 +211,14 @@ class RemoteTarget:
         self._expected.pop(unit, None)
         return self.ledger.take(unit)
 
+    def forget(self, split: str) -> None:
+        """Stop waiting for the units of ``split`` not trained on (see ``UnitLedger.forget``)."""
+        for unit in self.ledger.forget(split):
+            for table in (self._current, self._rows, self._expected, self._failures, self._late):
+                table.pop(unit, None)
+            if unit in self._unsent:
+                self._unsent.remove(unit)
+
     def _send(self, unit: Unit, rows: dict[str, Tensor], expected_bytes: int) -> None:
         self._rows[unit] = rows
         self._expected[unit] = expected_bytes

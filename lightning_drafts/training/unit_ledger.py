@@ -91,6 +91,15 @@ class UnitLedger:
         self.consumed.add(unit)
         return self.ready.pop(unit)
 
+    def forget(self, split: str) -> list[Unit]:
+        """Give up the units of ``split`` not trained on (a validation run that ended before them): their
+        results, if they still come, are stale. Returns them."""
+        gone = [u for u in (*self.in_flight, *self.ready) if u.split == split]
+        for unit in gone:
+            self.in_flight.pop(unit, None)
+            self.ready.pop(unit, None)
+        return gone
+
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         self.peak_units = max(self.peak_units, self.units)

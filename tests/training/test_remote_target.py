@@ -114,3 +114,7 @@ def test_the_ledger_takes_the_first_result_of_a_unit_once_and_drops_duplicates_a
     ledger.sent(unit(1, "val"), 32)
     assert ledger.units == 2 and ledger.peak_units == 2
     assert ledger.peak_bytes == 64
+    # A validation run that ends lets its units go; a result that still comes is stale, training's stay.
+    assert ledger.forget("val") == [unit(1, "val")]
+    assert not ledger.arrived(unit(1, "val"), features(1.0)) and ledger.dropped["stale"] == 2
+    assert ledger.units == 1 and ledger.bytes == 32
