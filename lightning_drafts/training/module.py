@@ -348,7 +348,10 @@ class DraftModule(L.LightningModule):
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
         batch = self.with_remote_features(batch)
         if self.remote_target is not None:
-            self.log("target/wait_s", self.remote_target.last_wait_s, on_step=True, on_epoch=False)
+            # On the progress bar too: how long this step waited for its target features.
+            self.log(
+                "target/wait_s", self.remote_target.last_wait_s, on_step=True, on_epoch=False, prog_bar=True
+            )
             self.log(
                 "target/units_in_flight", float(self.remote_target.ledger.units), on_step=True, on_epoch=False
             )
