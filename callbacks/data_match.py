@@ -35,9 +35,10 @@ class DataMatchCallback(L.Callback):
         if self.num_documents == 0 or documents is None or target is None:
             return
         if getattr(target, "decoder_released", False):
-            # Training from captured features without the target's decoder: nothing can run it here.
+            # Training from captured features, or with the target on its own workers: no decoder here.
             rank_zero_info(
-                "data match: not measured (the target's decoder was released, target_decoder=False)"
+                "data match: not measured (the target's decoder is not in this process: target_decoder=False "
+                "or target_workers)"
             )
             return
         self.result = result = target_match(target, documents, self.num_documents, self.seed)

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
@@ -23,8 +24,11 @@ from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.core.schedule import warmup_cosine
-from lightning_drafts.core.target_features import FeatureRequest, final_position_mask
+from lightning_drafts.core.target_features import FeatureRequest
+from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
+from lightning_drafts.training.remote_target import RemoteTarget
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
+from lightning_drafts.training.unit_ledger import Unit
 
 TARGET_PREFIX = "target."
 # The digest of a checkpoint's draft tensors, checked on every load (resume, validate, export).
@@ -50,6 +54,14 @@ class DraftModule(L.LightningModule):
             them (their weights are never read; a config-dict target is built whole and freed): for
             training from a features directory only, where the target's embedding, final norm and LM head
             are all a draft reads; a batch without features is refused.
+        target_workers: run the target on this many Ray workers instead of in the trainer's process (a
+            local Ray is started for the run unless ``target_address`` names a cluster): every batch then
+            carries the target features a worker computed for its exact rows, and the trainer keeps only
+            the target's embedding, final norm and LM head (see docs/guides/disaggregated.md).
+        target_address: the Ray cluster's address for ``target_workers`` (``ray start --head`` prints it).
+        target_prefetch: micro-batches sent to the workers ahead of the one being trained on.
+        target_max_mb_in_flight: cap on the feature bytes (MiB) sent for or waiting to be trained on.
+        target_worker_gpus: GPUs per worker (0 on CPU machines).
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
@@ -69,6 +81,11 @@ class DraftModule(L.LightningModule):
         shard_target: bool = False,
         activation_checkpointing: bool = False,
         target_decoder: bool = True,
+        target_workers: int = 0,
+        target_address: str | None = None,
+        target_prefetch: int = 4,
+        target_max_mb_in_flight: float = 256.0,
+        target_worker_gpus: float = 0.0,
         tokenizer_vocab_size: int | None = None,
         pad_token_id: int | None = None,
     ) -> None:
@@ -83,12 +100,24 @@ class DraftModule(L.LightningModule):
         check_number("min_lr_ratio", min_lr_ratio, minimum=0, maximum=1)
         self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
         target = _with_tokenizer_vocab(target, tokenizer_vocab_size)
+        if target_workers < 0:
+            raise ValueError(f"target_workers = {target_workers}; it must be >= 0 (0 runs the target here)")
+        if target_workers and not isinstance(target, (str, dict)):
+            raise ValueError(
+                "target_workers needs a target the workers can build themselves: a hub id / path or a config "
+                f"dict, not a {type(target).__name__} instance"
+            )
+        # What a target worker builds: the trainer's own target (an instance is not kept twice: as an
+        # attribute of a module it would become a submodule, and its weights checkpoint keys).
+        self.target_spec = target if isinstance(target, (str, dict)) else None
+        self.remote_target: RemoteTarget | None = None
         self.target = FrozenTarget(
             target,
             attn_backend=target_attn_backend,
             dtype=target_dtype,
             seed=target_seed,
-            decoder=target_decoder,
+            # The workers run the decoder; the trainer reads only the embedding, final norm and LM head.
+            decoder=target_decoder and not target_workers,
         )
         if tokenizer_vocab_size is not None and tokenizer_vocab_size > self.target.vocab_size:
             raise ValueError(
@@ -131,28 +160,8 @@ class DraftModule(L.LightningModule):
     @torch.no_grad()
     def features_for(self, batch: Mapping[str, Tensor] | PackedBatch) -> dict[str, Tensor]:
         """The feature keys of :mod:`lightning_drafts.core.target_features` for ``batch``'s rows, from one
-        live forward: what :meth:`feature_request` names, zero on padding and where the final state is not
-        needed (what a features directory stores, laid out as the batch)."""
-        packed = self.prepare_batch(batch)
-        request = self.feature_request()
-        output = self.target(packed, request.layer_ids)
-        real = packed.attention_mask[..., None]
-        batch_size, width = packed.shape
-        if output.hidden_states:
-            hidden = torch.cat(output.hidden_states, dim=-1) * real
-        else:
-            hidden = output.last_hidden_state.new_zeros(batch_size, width, 0)
-        features = {
-            "target_layer_ids": torch.tensor(request.layer_ids, dtype=torch.long),
-            "target_hidden_states": hidden,
-        }
-        if request.final_positions != "none":
-            mask = final_position_mask(
-                packed.loss_mask, packed.attention_mask, packed.doc_remaining, request.final_positions
-            )
-            features["target_last_hidden_state"] = output.last_hidden_state * mask[..., None]
-            features["target_last_hidden_mask"] = mask
-        return features
+        live forward (:meth:`FrozenTarget.features` of what :meth:`feature_request` names)."""
+        return self.target.features(self.prepare_batch(batch), self.feature_request())
 
     def check_features(self, manifest: Mapping[str, Any]) -> None:
         """Refuse a features directory (its ``manifest``) that was not captured for this draft, naming the
@@ -174,11 +183,129 @@ class DraftModule(L.LightningModule):
                 f"{where} does not hold what this draft reads: {problem}; capture again with this config"
             )
 
+    # --- the target on its own workers ----------------------------------------------------------
+
+    def remote_identity(self) -> dict[str, Any]:
+        """What a target worker must report to serve this draft (see ``RemoteTarget.start``)."""
+        request = self.feature_request()
+        return {
+            **self.target.identity(),
+            "layer_ids": list(request.layer_ids),
+            "final_positions": request.final_positions,
+            "attn_backend": self.hparams.get("target_attn_backend", "auto"),
+            "torch": torch.__version__,
+        }
+
+    def _start_remote_target(self) -> None:
+        if self.hparams.get("target_workers") and self.remote_target is None:
+            self.use_remote_target(self.build_remote_target())
+
+    def build_remote_target(self, **options: Any) -> RemoteTarget:
+        """A :class:`RemoteTarget` of this draft's target and the ``target_*`` options (``options``
+        override its keyword arguments, e.g. ``unit_timeout_s`` or ``worker_class``)."""
+        request = self.feature_request()
+        hparams = self.hparams
+        worker_args = {
+            "target": self.target_spec,
+            "attn_backend": hparams.get("target_attn_backend", "auto"),
+            "dtype": hparams.get("target_dtype"),
+            "seed": hparams.get("target_seed", 0),
+            "layer_ids": request.layer_ids,
+            "final_positions": request.final_positions,
+            "threads": torch.get_num_threads(),
+            **options.pop("worker_args", {}),
+        }
+        settings = {
+            "workers": max(int(hparams.get("target_workers", 0)), 1),
+            "address": hparams.get("target_address"),
+            "prefetch": hparams.get("target_prefetch", 4),
+            "max_bytes_in_flight": int(hparams.get("target_max_mb_in_flight", 256.0) * 2**20),
+            "worker_gpus": hparams.get("target_worker_gpus", 0.0),
+            "describe": self._describe_unit,
+            **options,
+        }
+        return RemoteTarget(worker_args, **settings)
+
+    def use_remote_target(self, remote: RemoteTarget) -> None:
+        """Start ``remote`` (checking its workers against this draft's target) and take every batch's
+        target features from it. ``target_workers`` does this at fit or validation start."""
+        remote.start(self.remote_identity())
+        self.remote_target = remote
+        self._feeds: dict[str, PlannedUnits] = {}
+        self._validation_runs = 0
+        rank_zero_info(remote.where())
+
+    def _describe_unit(self, unit: Unit) -> str:
+        return self._feeds[unit.split].describe(unit)
+
+    def with_remote_features(self, batch: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """``batch`` with the target features its workers computed for it (unchanged without a remote
+        target, or when it carries features already)."""
+        if self.remote_target is None or "target_hidden_states" in batch:
+            return batch
+        device = batch["input_ids"].device
+        features = self._remote_features({key: value.cpu() for key, value in batch.items()})
+        return {**batch, **{key: value.to(device) for key, value in features.items()}}
+
+    def _remote_features(self, batch: Mapping[str, Tensor], dataloader_idx: int = 0) -> dict[str, Tensor]:
+        trainer, remote = self.trainer, self.remote_target
+        split = "train" if trainer.training else "val"
+        feed = self._feeds.get(split)
+        if feed is None:
+            loader = trainer.train_dataloader if split == "train" else trainer.val_dataloaders
+            if isinstance(loader, (list, tuple)):
+                loader = loader[dataloader_idx]
+            if split == "train":
+                epoch, accumulate, limit = loader.dataset.epoch, trainer.accumulate_grad_batches, None
+            else:
+                epoch, accumulate = self._validation_runs, 1
+                counts = (
+                    trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+                )
+                limit = counts[dataloader_idx] if dataloader_idx < len(counts) else None
+            feed = self._feeds[split] = PlannedUnits(
+                split, loader.dataset, epoch, trainer.global_rank, accumulate, limit
+            )
+        request = self.feature_request()
+        hidden, dtype = int(self.target.text_config.hidden_size), self.target.compute_dtype
+        unit = feed.unit(feed.advance())
+        needed = expected_feature_bytes(batch, request, hidden, dtype)
+        # The unit needed now goes out first, then the ones after it as the cap allows.
+        remote.offer(unit, batch, needed, force=True)
+        for index in feed.upcoming(remote.prefetch):
+            ahead = feed.unit(index)
+            if remote.ledger.known(ahead):
+                continue
+            rows = feed.rows(index)
+            if not remote.offer(ahead, rows, expected_feature_bytes(rows, request, hidden, dtype)):
+                break
+        return remote.take(unit, batch, needed)
+
+    def on_train_epoch_start(self) -> None:
+        if self.remote_target is not None:
+            self._feeds.pop("train", None)
+
+    def on_validation_epoch_start(self) -> None:
+        if self.remote_target is not None:
+            self._feeds.pop("val", None)
+            self._validation_runs += 1
+
+    def on_validation_epoch_end(self) -> None:
+        # Units a validation run sent ahead but did not reach (a shorter limit than planned) are let go.
+        if self.remote_target is not None:
+            self.remote_target.forget("val")
+
+    def teardown(self, stage: str) -> None:
+        if self.remote_target is not None:
+            self.remote_target.close()
+            self.remote_target = None
+
     # --- Lightning hooks -----------------------------------------------------------------------
 
     def on_fit_start(self) -> None:
         self._check_target_dtype()
         self._check_fsdp1_units()
+        self._start_remote_target()
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             self._check_features_of(datamodule)
@@ -219,6 +346,7 @@ class DraftModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._check_target_dtype()
+        self._start_remote_target()
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             self._check_features_of(datamodule)
@@ -238,10 +366,19 @@ class DraftModule(L.LightningModule):
             )
 
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
+        batch = self.with_remote_features(batch)
+        if self.remote_target is not None:
+            # On the progress bar too: how long this step waited for its target features.
+            self.log(
+                "target/wait_s", self.remote_target.last_wait_s, on_step=True, on_epoch=False, prog_bar=True
+            )
+            self.log(
+                "target/units_in_flight", float(self.remote_target.ledger.units), on_step=True, on_epoch=False
+            )
         return self._shared_step(batch, "train")
 
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
-        return self._shared_step(batch, "val")
+        return self._shared_step(self.with_remote_features(batch), "val")
 
     def register_ratio_metrics(self, names: Iterable[str]) -> None:
         """Declare the metrics a family's ``DraftOutput.sums`` carries (call at the end of ``__init__``):

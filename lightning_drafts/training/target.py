@@ -24,7 +24,7 @@ from lightning_drafts.attention.backends import (
 from lightning_drafts.core.batch import PackedBatch, varlen_layout
 from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
-from lightning_drafts.core.target_features import TargetFeatures
+from lightning_drafts.core.target_features import FeatureRequest, TargetFeatures, final_position_mask
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.training.decoderless import load_without_decoder
 
@@ -322,6 +322,30 @@ class FrozenTarget(nn.Module):
         return TargetOutput(
             hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden
         )
+
+    @torch.no_grad()
+    def features(self, packed: PackedBatch, request: FeatureRequest) -> dict[str, Tensor]:
+        """The feature keys of :mod:`lightning_drafts.core.target_features` that ``request`` names for
+        ``packed``'s rows, from one forward: zero on padding and where the final state is not needed (what
+        a features directory stores and a target worker sends, laid out as the batch)."""
+        output = self(packed, request.layer_ids)
+        real = packed.attention_mask[..., None]
+        batch_size, width = packed.shape
+        if output.hidden_states:
+            hidden = torch.cat(output.hidden_states, dim=-1) * real
+        else:
+            hidden = output.last_hidden_state.new_zeros(batch_size, width, 0)
+        features = {
+            "target_layer_ids": torch.tensor(request.layer_ids, dtype=torch.long),
+            "target_hidden_states": hidden,
+        }
+        if request.final_positions != "none":
+            mask = final_position_mask(
+                packed.loss_mask, packed.attention_mask, packed.doc_remaining, request.final_positions
+            )
+            features["target_last_hidden_state"] = output.last_hidden_state * mask[..., None]
+            features["target_last_hidden_mask"] = mask
+        return features
 
     @torch.no_grad()
     def logits(self, last_hidden_state: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
