@@ -157,6 +157,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "val/served_accept_len no longer measures the export",
     ),
+    Mutant(
+        "checkpoint-digest-depends-on-order",
+        "lightning_drafts/core/digest.py",
+        "for name in sorted(state):",
+        "for name in state:",
+        ("tests/serving/test_integrity.py::test_a_checkpoint_records_the_digest_of_its_draft_tensors",),
+        "a checkpoint whose state dict another writer ordered differently is refused as damaged",
+    ),
     # --- export, reload and served decoding, per family -----------------------------------------------------
     Mutant(
         "eagle3-export-layer-ids-shifted",
