@@ -148,6 +148,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "the target's bonus token left out of the acceptance length",
     ),
     Mutant(
+        "acceptance-states-reset-in-inference-mode",
+        "lightning_drafts/core/acceptance.py",
+        "with torch.inference_mode(False):",
+        "if True:",
+        ("tests/training/test_validate_then_fit.py",),
+        "a validation's reset leaves states a later fit cannot update",
+    ),
+    Mutant(
+        "served-acceptance-counts-rejected-steps",
+        "lightning_drafts/serving/report.py",
+        "hits = [int((accepted > k).sum()) for k in range(num_steps)]",
+        "hits = [int((accepted >= k).sum()) for k in range(num_steps)]",
+        (
+            "tests/families/test_conformance.py::"
+            "test_a_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side[DFlashModule-qwen3-default]",
+        ),
+        "served prefix rates count a round that stopped at step k as reaching it",
+    ),
+    Mutant(
         "served-callback-logs-a-constant",
         "callbacks/served_acceptance.py",
         "return report.served.accept_len",
