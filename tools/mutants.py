@@ -4,6 +4,7 @@ the tests that must catch it, and fail when any survives.
     python tools/mutants.py                 # every mutant (exit 1 on a survivor or a broken entry)
     python tools/mutants.py --only NAME ... # some of them
     python tools/mutants.py --list
+    python tools/mutants.py --jobs 2        # two at once (one scratch copy each)
 
 The working tree is never touched: its files (tracked and untracked, not ignored) are copied to a
 temporary directory once, each mutant is written there, its tests run with ``sys.executable -m pytest``
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,12 +124,33 @@ def plant(copy: Path, mutant: Mutant) -> str:
     return text
 
 
+def run_mutant(copies: queue.Queue[Path], mutant: Mutant) -> int:
+    """Plant ``mutant`` in a free copy, run its tests, write the original back; print and return the exit."""
+    copy = copies.get()
+    began = time.monotonic()
+    original = plant(copy, mutant)
+    try:
+        rc, output = run_tests(copy, mutant.tests)
+    finally:
+        (copy / mutant.file).write_text(original)
+        copies.put(copy)
+    verdict = {0: "SURVIVED", 1: "caught", 2: "caught (collection error)", -1: "caught (hang)"}.get(
+        rc, f"BROKEN ENTRY (pytest exit {rc})"
+    )
+    tail = f"\n{output[-2000:]}" if verdict.startswith("BROKEN") else ""
+    print(f"{verdict:<28} {mutant.name}  ({time.monotonic() - began:.0f} s){tail}", flush=True)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs} must be at least 1")
 
     problems = catalog_problems(ROOT)
     if problems:
@@ -144,33 +168,26 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
-        copy = scratch_copy(Path(scratch))
-        check_imports_from(copy)
+        # One scratch copy per worker: a mutant is planted in its worker's copy only.
+        copies: queue.Queue[Path] = queue.Queue()
+        for worker in range(args.jobs):
+            copy = scratch_copy(Path(scratch) / str(worker))
+            check_imports_from(copy)
+            copies.put(copy)
         if not args.no_baseline:
             tests = list(dict.fromkeys(test for m in mutants for test in m.tests))
+            copy = copies.get()
             rc, output = run_tests(copy, tests)
+            copies.put(copy)
             print(f"baseline: {len(tests)} test ids on the unmutated copy: exit {rc}", flush=True)
             if rc != 0:
                 print(output[-4000:])
                 print("the catching tests must pass before any mutant is planted")
                 return 1
-        survivors, broken = [], []
-        for mutant in mutants:
-            began = time.monotonic()
-            original = plant(copy, mutant)
-            try:
-                rc, output = run_tests(copy, mutant.tests)
-            finally:
-                (copy / mutant.file).write_text(original)
-            verdict = {0: "SURVIVED", 1: "caught", 2: "caught (collection error)", -1: "caught (hang)"}.get(
-                rc, f"BROKEN ENTRY (pytest exit {rc})"
-            )
-            print(f"{verdict:<28} {mutant.name}  ({time.monotonic() - began:.0f} s)", flush=True)
-            if rc == 0:
-                survivors.append(mutant)
-            elif verdict.startswith("BROKEN"):
-                broken.append(mutant)
-                print(output[-2000:])
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda m: run_mutant(copies, m), mutants))
+    survivors = [m for m, rc in zip(mutants, results, strict=True) if rc == 0]
+    broken = [m for m, rc in zip(mutants, results, strict=True) if rc not in (0, 1, 2, -1)]
     total = time.monotonic() - start
     print(
         f"{len(mutants)} mutants: {len(mutants) - len(survivors) - len(broken)} caught, "

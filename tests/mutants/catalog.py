@@ -283,4 +283,7 @@ def catalog_problems(root: Path, mutants: tuple[Mutant, ...] = MUTANTS) -> list[
             problems.append(f"{mutant.name}: the mutated line equals the original")
         if not mutant.tests or not all(test.startswith("tests/") for test in mutant.tests):
             problems.append(f"{mutant.name}: names no catching test under tests/ ({mutant.tests})")
+        if any(test.startswith("tests/mutants/") for test in mutant.tests):
+            # The catalog's own test reads the planted file, so it "catches" every mutant.
+            problems.append(f"{mutant.name}: the catalog's own tests cannot be a mutant's catching test")
     return problems

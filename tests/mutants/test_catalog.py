@@ -19,7 +19,16 @@ def test_every_mutant_can_be_planted_as_written():
 def test_a_rotten_entry_is_reported():
     moved = Mutant("moved", "lightning_drafts/core/acceptance.py", "no such line", "x", ("tests/x.py",), "")
     twice = Mutant("twice", "lightning_drafts/core/acceptance.py", "return hits, chain_valid", "pass", (), "")
-    problems = catalog_problems(ROOT, (moved, twice, moved))
+    itself = Mutant(
+        "itself",
+        "lightning_drafts/core/acceptance.py",
+        "return 1.0 + ratio.sum()",
+        "pass",
+        ("tests/mutants/test_catalog.py",),
+        "",
+    )
+    problems = catalog_problems(ROOT, (moved, twice, moved, itself))
+    assert any("itself: the catalog's own tests cannot" in p for p in problems)
     assert any("moved: the original line is found 0 times" in p for p in problems)
     assert any("twice: names no catching test" in p for p in problems)
     assert any("moved: the name is used twice" in p for p in problems)
