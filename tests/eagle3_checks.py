@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from lightning_drafts.core.acceptance import prefix_counts
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.ttt import shift_left, step_masks
+from tests.acceptance_reference import accept_len_by_definition
 from tests.builders import VOCAB, packed_row, random_docs, stack_rows
 
 GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
@@ -75,6 +76,12 @@ def check_gate_worked_example(module_class: type[Eagle3Base], target: dict) -> N
         output = module.compute_loss(batch)
     assert int(output.valid_tokens) == 12
     assert output.valid.sum(0).tolist() == [6, 4, 2, 0]
+    # A 2-token prompt per document: step k of slot o (offset in its document of 4) is supervised iff its
+    # target o + 1 + k is an answer offset (2 or 3): per document [2, 2, 1, 0] over the four steps.
+    prompted = dict(batch, loss_mask=batch["loss_mask"] * (batch["position_ids"] >= 2).long())
+    with torch.no_grad():
+        output = module.compute_loss(prompted)
+    assert output.valid.sum(0).tolist() == [4, 4, 2, 0] and int(output.valid_tokens) == 10
     assert torch.equal(shift_left(torch.arange(5)[None], 2), torch.tensor([[2, 3, 4, 0, 0]]))
 
 
@@ -190,7 +197,14 @@ def check_trains_in_lightning_trainer(module_class: type[Eagle3Base], target: di
         "val/loss",
     ):
         assert name in metrics and torch.isfinite(metrics[name]), name
-    assert float(metrics["train/accept_len"]) >= 1.0
+    # The one validation run followed the last step: its logged loss and acceptance length are those of the
+    # final weights on the validation batch, the length by its definition written out.
+    module.eval()
+    with torch.no_grad():
+        output = module.compute_loss(next(iter(RowsDataModule().val_dataloader())))
+    assert float(metrics["val/loss"]) == pytest.approx(float(output.loss), rel=1e-5)
+    assert float(metrics["val/accept_len"]) == pytest.approx(accept_len_by_definition([output]), rel=1e-6)
+    module.train()
 
     trainer.save_checkpoint(tmp_path / "draft.ckpt")
     checkpoint = torch.load(tmp_path / "draft.ckpt", weights_only=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_drafts.cli.fit import DraftCLI, run_cli
@@ -12,6 +13,7 @@ from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.dflash.objectives import LOSS_TYPES
 from lightning_drafts.eagle3.step_objective import LK_LOSS_TYPES
 from lightning_drafts.training.module import DraftModule
+from tests.builders import packed_row, random_docs
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart"
 OPTIONS = [
@@ -42,15 +44,33 @@ def test_every_objective_parses_from_a_quickstart_config(config, name, value, ca
     ],
 )
 def test_the_cli_builds_the_module_with_the_objective(config, name, value, attribute):
-    cli = DraftCLI(
-        DraftModule,
-        PackedChatDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=arguments(config, name, value)[1:],
-        run=False,
-    )
-    assert getattr(cli.model.objective, attribute) == value
+    def build(args: list[str]) -> DraftModule:
+        cli = DraftCLI(
+            DraftModule,
+            PackedChatDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            run=False,
+        )
+        return cli.model
+
+    chosen, default = build(arguments(config, name, value)[1:]), build(arguments(config, name, value)[1:2])
+    assert getattr(chosen.objective, attribute) == value
+    # The option reaches the loss: the same weights on the same batch (and anchors) give another loss.
+    weights = chosen.state_dict(), default.state_dict()
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    batch = packed_row(random_docs([11, 9], vocab=200, seed=4), 24)
+    extra = {}
+    if hasattr(chosen, "sample_anchors"):
+        extra["anchors"] = chosen.sample_anchors(batch, generator=torch.Generator().manual_seed(0))
+    if hasattr(chosen, "build_vocab_mapping"):
+        for module in (chosen, default):
+            module.build_vocab_mapping(torch.bincount(batch["input_ids"].flatten(), minlength=2048))
+    with torch.no_grad():
+        losses = [float(module.compute_loss(batch, **extra).loss) for module in (chosen, default)]
+    assert losses[0] != pytest.approx(losses[1], rel=1e-4), losses
 
 
 @pytest.mark.parametrize(

@@ -52,8 +52,13 @@ def test_varlen_layout_flattens_real_tokens_per_document():
 
 def test_given_doc_remaining_is_accepted_when_consistent():
     batch = nemo_example()
-    batch["doc_remaining"] = torch.tensor([[2, 1, 0, 1, 0, 0, 0, 0], [6, 5, 4, 3, 2, 1, 0, 0]])
-    validate_batch(batch)
+    given = torch.tensor([[2, 1, 0, 1, 0, 0, 0, 0], [6, 5, 4, 3, 2, 1, 0, 0]])
+    batch["doc_remaining"] = given
+    assert torch.equal(validate_batch(batch).doc_remaining, given)
+    # One position off (the last token of A claims one more): refused, naming the position.
+    batch["doc_remaining"] = given.clone().index_put_((torch.tensor([0]), torch.tensor([2])), torch.tensor(1))
+    with pytest.raises(ValueError, match=r"doc_remaining\[0, 2\] = 1"):
+        validate_batch(batch)
 
 
 def with_change(key, value):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_drafts.cli.main import main
+from lightning_drafts.core.digest import state_digest
 from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
 from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
@@ -64,10 +65,19 @@ def zero_tensor_bytes(path: Path, count: int = 4096) -> None:
 def test_a_checkpoint_records_the_digest_of_its_draft_tensors(checkpoint):
     saved = torch.load(checkpoint, weights_only=False)
     assert len(saved["draft_digest"]) == 64
-    # An intact checkpoint loads; the digest does not depend on the order of the state dict.
-    assert isinstance(
-        NextTokenProbe.load_from_checkpoint(checkpoint, target=TINY_TARGETS["llama"]), NextTokenProbe
-    )
+    # An intact checkpoint loads, also with its state dict in the reverse order (another writer's order):
+    # the digest does not depend on it, and is still one of the tensors (a renamed one is refused).
+    state = saved["state_dict"]
+    assert len(state) > 1
+    saved["state_dict"] = dict(reversed(list(state.items())))
+    assert list(saved["state_dict"]) != list(state)
+    torch.save(saved, checkpoint)
+    assert state_digest(saved["state_dict"]) == saved["draft_digest"]
+    loaded = NextTokenProbe.load_from_checkpoint(checkpoint, target=TINY_TARGETS["llama"])
+    for name, tensor in state.items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    renamed = {(name + "_renamed" if i == 0 else name): t for i, (name, t) in enumerate(state.items())}
+    assert state_digest(renamed) != saved["draft_digest"]
 
 
 def test_a_damaged_checkpoint_is_refused_on_load_resume_and_validate(checkpoint, tmp_path):

@@ -7,14 +7,19 @@ from contextlib import nullcontext
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_drafts import DSparkModule
+from lightning_drafts import DFlashModule, DSparkModule
 from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.registry import REGISTRY
-from tests.builders import TINY_TARGETS, PromptRows
+from lightning_drafts.serving.prompts import prompts_from_batch
+from lightning_drafts.workflows.evaluate import evaluate_export
+from tests.builders import TINY_TARGETS, PromptRows, packed_row
 from tests.families.cases import CASES, FAMILIES
+from tests.families.dflash.cases import perfect_module as perfect_dflash
+from tests.families.dspark.cases import perfect_module as perfect_dspark
 from tests.families.family_case import FamilyCase
 
 pytestmark = [
@@ -66,10 +71,50 @@ def test_the_callback_logs_served_acceptance_beside_the_training_estimate(
     with pytest.warns(UserWarning, match=nemo) if options else nullcontext():
         trainer.fit(module, *loaders)
     logged = trainer.logged_metrics
-    assert "val/accept_len" in logged and "val/served_accept_len" in logged
-    assert 1.0 <= float(logged["val/served_accept_len"]) <= case.num_steps(module) + 1
+    assert "val/accept_len" in logged
+    # The one validation run followed the last optimizer step, so the module still holds the weights it
+    # served: the logged value is evaluate_export's on the same export and prompts, served again here.
+    prompts = prompts_from_batch(next(iter(loaders[1])), 3, callback.max_prompt_tokens)
+    with pytest.warns(UserWarning, match=nemo) if options else nullcontext():
+        export = module.export(tmp_path / "again")
+    report = evaluate_export(
+        export, prompts, target=module.target, max_new_tokens=6, with_training_estimate=False
+    )
+    assert float(logged["val/served_accept_len"]) == pytest.approx(report.served.accept_len, rel=1e-6)
     # The sanity check does not count; the one real validation run does.
     assert callback.validation_runs == 1
+
+
+def repeated_rows(block_lengths: tuple[int, int] = (5, 8)) -> list[dict]:
+    """Rows of two documents, each one token repeated (a 5-token prompt, then 8 supervised tokens): the
+    prompts the perfect drafts of tests.families.*.cases reach the maximum acceptance length on."""
+    prompt, answer = block_lengths
+    rows = []
+    for tokens in ((3, 11), (40, 21)):
+        row = packed_row([torch.full((prompt + answer,), t) for t in tokens], 2 * (prompt + answer))
+        for start in (0, prompt + answer):
+            row["loss_mask"][0, start : start + prompt] = 0
+        rows.append({key: value[0] for key, value in row.items()})
+    return rows
+
+
+@pytest.mark.parametrize(
+    "build", [perfect_dspark, lambda: perfect_dflash(DFlashModule)], ids=["DSparkModule", "DFlashModule"]
+)
+def test_a_perfect_draft_logs_the_maximum_served_acceptance_length(build, tmp_path):
+    module = build()
+    callback = ServedAcceptanceCallback(num_prompts=4, max_new_tokens=8)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(module, DataLoader(repeated_rows(), batch_size=2))
+    # Every proposal of every round is accepted: K proposals plus the target's bonus token.
+    assert float(trainer.logged_metrics["val/served_accept_len"]) == CASES[type(module)].num_steps(module) + 1
 
 
 def test_every_n_val_epochs_must_be_at_least_one():

@@ -1,0 +1,289 @@
+"""The mutation gate's planted bugs: each a one-line change to the project that the named tests must catch.
+
+Each entry names the file, its original line (matched whitespace-trimmed; it must occur exactly once, so an
+edit that moves or rewrites the line breaks the entry instead of leaving a mutant that tests nothing), the
+mutated line (written with the original's indentation) and the pytest node ids that must fail once it is
+planted. ``tools/mutants.py`` plants each in a scratch copy of the repository and runs its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]
+    why: str
+
+
+DSPARK = "tests/families/dspark/test_dspark.py::"
+SERVED = "tests/serving/test_served_evaluate.py::test_a_perfect_draft_reaches_the_maximum_acceptance_length"
+CONFORMANCE_RELOAD = (
+    "tests/families/test_conformance.py::test_export_validates_and_reloads_into_the_same_draft"
+)
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- objectives and what they feed -------------------------------------------------------------------
+    Mutant(
+        "dspark-markov-previous-is-the-label",
+        "lightning_drafts/dspark/module.py",
+        "(hidden, supervision.previous, supervision.labels, valid, weights, teacher_hidden),",
+        "(hidden, supervision.labels, supervision.labels, valid, weights, teacher_hidden),",
+        ("tests/families/dspark/test_markov_previous.py",),
+        "the Markov head sees the answer in training and cheats",
+    ),
+    Mutant(
+        "dspark-labels-unshifted",
+        "lightning_drafts/dspark/eval_mask.py",
+        "labels=packed.input_ids[rows, (positions + 1).clamp(max=width - 1)],",
+        "labels=packed.input_ids[rows, positions.clamp(max=width - 1)],",
+        (DSPARK + "test_block_supervision_shifts_labels_by_one_by_hand",),
+        "slot k supervised on the token at anchor + k instead of anchor + k + 1",
+    ),
+    Mutant(
+        "dspark-eval-mask-document-end-exclusive",
+        "lightning_drafts/dspark/eval_mask.py",
+        "in_document = steps <= doc_remaining[rows, anchors][:, None]",
+        "in_document = steps < doc_remaining[rows, anchors][:, None]",
+        (DSPARK + "test_eval_mask_truncates_at_document_boundaries_by_hand",),
+        "`<` for `<=`: a block loses the last token of its document",
+    ),
+    Mutant(
+        "dspark-tau-not-a-chain",
+        "lightning_drafts/dspark/metrics.py",
+        "tau = 1.0 + accepted.cumprod(dim=1).sum(dim=1)",
+        "tau = 1.0 + accepted.sum(dim=1)",
+        (DSPARK + "test_acceptance_sums_by_hand",),
+        "tau sums per-slot acceptance instead of the accepted prefix",
+    ),
+    Mutant(
+        "block-decay-wrong-rate",
+        "lightning_drafts/blockdraft/objective.py",
+        "return torch.ones_like(steps) if gamma is None else torch.exp(-steps / gamma)",
+        "return torch.ones_like(steps) if gamma is None else torch.exp(-steps * gamma)",
+        ("tests/families/dflash/test_dflash.py::test_decayed_cross_entropy_equals_a_naive_weighted_mean",),
+        "slot decay exp(-k gamma) instead of exp(-k / gamma)",
+    ),
+    Mutant(
+        "eagle3-gate-off-by-one",
+        "lightning_drafts/eagle3/ttt.py",
+        "chain_valid = chain_valid & (doc_remaining > step)",
+        "chain_valid = chain_valid & (doc_remaining >= step)",
+        ("tests/families/eagle3/test_eagle3.py::test_doc_remaining_gate_worked_example",),
+        "a TTT step one past the document's end stays supervised (reads the next document)",
+    ),
+    Mutant(
+        "eagle3-loss-mask-ignored",
+        "lightning_drafts/eagle3/ttt.py",
+        "trainer_loss_mask = shift_left(packed.loss_mask, 1)",
+        "trainer_loss_mask = shift_left(packed.attention_mask, 1)",
+        ("tests/families/eagle3/test_eagle3.py::test_doc_remaining_gate_worked_example",),
+        "prompt tokens supervised: the loss mask is dropped",
+    ),
+    # --- packing, anchors, masks ---------------------------------------------------------------------------
+    Mutant(
+        "batch-doc-remaining-off-by-one",
+        "lightning_drafts/core/batch.py",
+        "last_real = doc_start + real_per_doc.gather(1, doc_ids) - 1",
+        "last_real = doc_start + real_per_doc.gather(1, doc_ids)",
+        ("tests/core/test_batch.py::test_derived_metadata_matches_the_worked_example",),
+        "doc_remaining counts one token past each document's end",
+    ),
+    Mutant(
+        "batch-document-boundary-left",
+        "lightning_drafts/core/batch.py",
+        "doc_ids = torch.searchsorted(ends, positions.contiguous(), right=True)",
+        "doc_ids = torch.searchsorted(ends, positions.contiguous(), right=False)",
+        ("tests/core/test_batch.py::test_derived_metadata_matches_the_worked_example",),
+        "a document's first token is assigned to the previous document",
+    ),
+    Mutant(
+        "anchors-whole-block-too-strict",
+        "lightning_drafts/attention/anchors.py",
+        "return supervised & (packed.doc_remaining >= block_size - 1)",
+        "return supervised & (packed.doc_remaining >= block_size)",
+        ("tests/attention/test_anchors.py::test_candidates_by_hand_whole_blocks",),
+        "a block ending on its document's last token is never anchored",
+    ),
+    Mutant(
+        "anchors-partial-block-crosses-documents",
+        "lightning_drafts/attention/anchors.py",
+        "return supervised & next_supervised & (packed.doc_remaining >= 1)",
+        "return supervised & next_supervised",
+        ("tests/attention/test_anchors.py::test_candidates_by_hand_partial_blocks_for_dspark",),
+        "a DSpark anchor on a document's last token predicts the next document's first",
+    ),
+    Mutant(
+        "block-mask-context-sees-the-anchor-successor",
+        "lightning_drafts/attention/block_masks.py",
+        "visible_context = (kv_idx >= start[block]) & (kv_idx < end[block])",
+        "visible_context = (kv_idx >= start[block]) & (kv_idx <= end[block])",
+        ("tests/attention/test_block_masks.py::test_dense_mask_equals_the_by_hand_reference",),
+        "`<=` for `<`: a block sees one context key past its anchor (the future)",
+    ),
+    # --- acceptance estimator --------------------------------------------------------------------------------
+    Mutant(
+        "acceptance-prefix-not-chained",
+        "lightning_drafts/core/acceptance.py",
+        "hits = (correct & valid).long().cumprod(dim=1).sum(dim=0)",
+        "hits = (correct & valid).long().sum(dim=0)",
+        (
+            "tests/core/test_acceptance.py::"
+            "test_prefix_counts_stop_at_the_first_miss_and_drop_chains_cut_by_the_document_end",
+        ),
+        "a hit after a miss still counts as accepted",
+    ),
+    Mutant(
+        "acceptance-length-without-the-bonus-token",
+        "lightning_drafts/core/acceptance.py",
+        "return 1.0 + ratio.sum()",
+        "return ratio.sum()",
+        ("tests/core/test_acceptance.py::test_acceptance_length_hand_values",),
+        "the target's bonus token left out of the acceptance length",
+    ),
+    Mutant(
+        "acceptance-states-reset-in-inference-mode",
+        "lightning_drafts/core/acceptance.py",
+        "with torch.inference_mode(False):",
+        "if True:",
+        ("tests/training/test_validate_then_fit.py",),
+        "a validation's reset leaves states a later fit cannot update",
+    ),
+    Mutant(
+        "served-acceptance-counts-rejected-steps",
+        "lightning_drafts/serving/report.py",
+        "hits = [int((accepted > k).sum()) for k in range(num_steps)]",
+        "hits = [int((accepted >= k).sum()) for k in range(num_steps)]",
+        (
+            "tests/families/test_conformance.py::"
+            "test_a_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_side[DFlashModule-qwen3-default]",
+        ),
+        "served prefix rates count a round that stopped at step k as reaching it",
+    ),
+    Mutant(
+        "served-callback-logs-a-constant",
+        "callbacks/served_acceptance.py",
+        "return report.served.accept_len",
+        "return 1.0",
+        (
+            "tests/serving/test_served_acceptance_callback.py::test_a_perfect_draft_logs_the_maximum_served_acceptance_length",
+        ),
+        "val/served_accept_len no longer measures the export",
+    ),
+    Mutant(
+        "checkpoint-digest-depends-on-order",
+        "lightning_drafts/core/digest.py",
+        "for name in sorted(state):",
+        "for name in state:",
+        ("tests/serving/test_integrity.py::test_a_checkpoint_records_the_digest_of_its_draft_tensors",),
+        "a checkpoint whose state dict another writer ordered differently is refused as damaged",
+    ),
+    # --- export, reload and served decoding, per family -----------------------------------------------------
+    Mutant(
+        "eagle3-export-layer-ids-shifted",
+        "lightning_drafts/eagle3/export.py",
+        "**layer_id_fields(module.target_layer_ids),",
+        "**layer_id_fields([i + 1 for i in module.target_layer_ids]),",
+        ("tests/families/eagle3/test_eagle3.py::test_export_round_trips_in_the_llama_eagle3_serving_layout",),
+        "the serving config names the layers one above the trained ones",
+    ),
+    Mutant(
+        "eagle3-reload-keeps-fresh-weights",
+        "lightning_drafts/eagle3/reload.py",
+        "module.draft.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=True)",
+        "module.draft.load_state_dict(module.draft.state_dict(), strict=True)",
+        (CONFORMANCE_RELOAD + "[Eagle3Module-llama-default]",),
+        "the reloaded module keeps its initial weights",
+    ),
+    Mutant(
+        "eagle3-served-ignores-d2t",
+        "lightning_drafts/eagle3/speculate.py",
+        "return draft_id + self.draft.d2t[draft_id]",
+        "return draft_id",
+        (SERVED + "[Eagle3Module]",),
+        "served proposals read draft ids as target ids",
+    ),
+    Mutant(
+        "dflash-export-causal",
+        "lightning_drafts/dflash/export.py",
+        "is_causal=False,",
+        "is_causal=True,",
+        ("tests/families/dflash/test_dflash.py::test_export_round_trips_and_has_the_serving_layout",),
+        "engines read the non-causal block draft as causal",
+    ),
+    Mutant(
+        "dflash-served-draft-weights-not-loaded",
+        "lightning_drafts/dflash/reload.py",
+        "draft.to(dtype).load_state_dict(state, strict=True)",
+        "draft.to(dtype)",
+        (SERVED + "[DFlashModule]",),
+        "the served draft runs its random initial weights",
+    ),
+    Mutant(
+        "dflash-served-pad-for-mask",
+        "lightning_drafts/dflash/speculate.py",
+        "block = torch.cat([anchor, anchor.new_full((slots - 1,), self.mask_token_id)])",
+        "block = torch.cat([anchor, anchor.new_full((slots - 1,), 0)])",
+        (SERVED + "[DFlash2Module]",),
+        "served blocks fill slots 1..K-1 with the pad id instead of the mask token",
+    ),
+    Mutant(
+        "dspark-export-wrong-mask-token",
+        "lightning_drafts/dspark/export.py",
+        '"mask_token_id": fields["mask_token_id"],',
+        '"mask_token_id": 0,',
+        (SERVED + "[DSparkModule-specforge]",),
+        "the SpecForge layout records the pad id as the mask token",
+    ),
+    Mutant(
+        "dspark-reload-drops-the-markov-head",
+        "lightning_drafts/dspark/reload.py",
+        "module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)",
+        "module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items() "
+        'if not k.startswith("markov_head.")}, strict=False)',
+        (CONFORMANCE_RELOAD + "[DSparkModule-qwen3-specforge]",),
+        "a reload keeps the module's initial Markov head",
+    ),
+    Mutant(
+        "dspark-served-pad-for-mask",
+        "lightning_drafts/dspark/speculate.py",
+        "block = torch.cat([anchor, anchor.new_full((self.block_size - 1,), self.mask_token_id)])",
+        "block = torch.cat([anchor, anchor.new_full((self.block_size - 1,), 0)])",
+        (SERVED + "[DSparkModule-nemo]",),
+        "served blocks fill slots 1..K-1 with the pad id instead of the mask token",
+    ),
+)
+
+
+def catalog_problems(root: Path, mutants: tuple[Mutant, ...] = MUTANTS) -> list[str]:
+    """Why an entry cannot be planted as written (empty when every entry can): its file is missing, its
+    original line is not found exactly once (trimmed), it changes nothing, names no test, or a name repeats."""
+    problems, names = [], set()
+    for mutant in mutants:
+        if mutant.name in names:
+            problems.append(f"{mutant.name}: the name is used twice")
+        names.add(mutant.name)
+        path = root / mutant.file
+        if not path.is_file():
+            problems.append(f"{mutant.name}: {mutant.file} does not exist")
+            continue
+        found = sum(line.strip() == mutant.original.strip() for line in path.read_text().splitlines())
+        if found != 1:
+            problems.append(
+                f"{mutant.name}: the original line is found {found} times in {mutant.file} (needs exactly once): "
+                f"{mutant.original!r}"
+            )
+        if mutant.mutated.strip() == mutant.original.strip():
+            problems.append(f"{mutant.name}: the mutated line equals the original")
+        if not mutant.tests or not all(test.startswith("tests/") for test in mutant.tests):
+            problems.append(f"{mutant.name}: names no catching test under tests/ ({mutant.tests})")
+        if any(test.startswith("tests/mutants/") for test in mutant.tests):
+            # The catalog's own test reads the planted file, so it "catches" every mutant.
+            problems.append(f"{mutant.name}: the catalog's own tests cannot be a mutant's catching test")
+    return problems
