@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from lightning_drafts.serving.export_files import CARD_FILE, CONFIG_FILE
 from lightning_drafts.shipped import SHIPPED_PREFIX, resolve_shipped
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from lightning_drafts.serving.report import EvaluationReport
     from lightning_drafts.training.module import DraftModule
 
-CARD_FILE = "README.md"
 LIBRARY_NAME = "lightning-drafts"
 RESULTS_BEGIN = "<!-- lightning-drafts: served results -->"
 RESULTS_END = "<!-- /lightning-drafts: served results -->"
@@ -178,7 +178,7 @@ def write_card(
     """Write ``README.md`` into ``directory`` (an export's files, maybe staged); the serving commands name
     ``export_dir`` (where the export will live; default ``directory``)."""
     directory = Path(directory)
-    config = json.loads((directory / "config.json").read_text())
+    config = json.loads((directory / CONFIG_FILE).read_text())
     text = render_card(module, family, config, Path(export_dir or directory), training)
     path = directory / CARD_FILE
     path.write_text(text)
