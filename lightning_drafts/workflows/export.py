@@ -67,6 +67,12 @@ def export_checkpoint(
     return Path(output_dir)
 
 
+def export_module(module: DraftModule, output_dir: str | Path, layout: str | None = None) -> Path:
+    """Write a module's serving layout and its model card (``module.export(dir)`` writes the serving files
+    only: the card's serving commands come from the family record, which the module does not know)."""
+    return REGISTRY.for_module(module).export(module, output_dir, layout=layout)
+
+
 def training_facts(checkpoint_path: str | Path) -> TrainingFacts:
     """What a ``fit`` checkpoint records of its training, for the model card: steps, epochs, the loader's
     documents and tokens, the ``val/accept_len`` its ``ModelCheckpoint`` saved it at, and the data files of

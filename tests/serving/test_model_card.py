@@ -24,6 +24,7 @@ from lightning_drafts.serving.model_card import (
     read_card,
     update_results,
 )
+from lightning_drafts.workflows.export import export_module
 from tests.builders import TINY_TARGETS
 from tests.families.cases import CASES
 
@@ -105,7 +106,7 @@ def test_an_export_s_card_reads_back_with_its_serving_commands(
 def test_evaluate_s_results_replace_only_the_results_section(tmp_path):
     case = CASE_BY_NAME["Eagle3Module"]
     module = case.build(TINY_TARGETS[case.targets[0]])
-    export = REGISTRY.for_module(module).export(module, tmp_path / "draft")
+    export = export_module(module, tmp_path / "draft")
     before, front = (export / CARD_FILE).read_text(), read_card(export)[0]
     update_results(export, "| served `accept_len` | 1.500 |")
     once = (export / CARD_FILE).read_text()
