@@ -24,8 +24,6 @@ import sys
 from functools import cache
 from pathlib import Path
 
-from griffe import Docstring
-
 ROOT = Path(__file__).resolve().parents[1]
 README_DIRECTIVE = "<!-- readme -->"
 SPHINX_ROLE = re.compile(r":(?:mod|class|func|meth|data|attr):`~?([^`]+)`")
@@ -109,6 +107,8 @@ def _row(cells: tuple[str, ...]) -> str:
 def _arg_docs(klass: type) -> dict[str, str]:
     """``name -> meaning`` from the ``Args:`` section of the class's (or its ``__init__``'s) docstring; an
     entry may document several names at once (``kl_scale, kl_decay: ...``)."""
+    from griffe import Docstring  # the docs extra's (mkdocstrings); the CLI pages need none of it
+
     found: dict[str, str] = {}
     for source in (vars(klass)["__init__"].__doc__, klass.__doc__):
         if not source:
