@@ -88,7 +88,8 @@ def hyperparameters(path: str) -> str:
             )
             annotation = parameter.annotation if isinstance(parameter.annotation, str) else ""
             meaning = SPHINX_ROLE.sub(r"`\1`", " ".join(meanings.get(parameter.name, "").split()))
-            rows.append((f"`{parameter.name}`", f"`{annotation}`", default, meaning))
+            # No code span around the type: inside one, the escaped "|" of "int | None" would show as "\\|".
+            rows.append((f"`{parameter.name}`", annotation, default, meaning))
         if not any(p.kind == p.VAR_KEYWORD for p in parameters):
             break  # nothing is forwarded to the base classes
     header = f"Arguments of `{path}` (from its signature and docstring):\n\n"
