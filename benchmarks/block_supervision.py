@@ -1,4 +1,4 @@
-"""How much of the block drafts' vocabulary work lands on unsupervised chain positions (issue #21 item 1).
+"""How much of the block drafts' vocabulary work lands on unsupervised chain positions.
 
 A block draft projects every chain position (a block slot that predicts a token: ``block_size - 1`` per
 DFlash / DFlash2 block, ``block_size`` per DSpark block) onto the full vocabulary; the positions without

@@ -1,4 +1,4 @@
-"""Where one packed training step of each draft spends its time, at each thread count (issue #21).
+"""Where one packed training step of each draft spends its time, at each thread count.
 
 The same workload as ``benchmarks/throughput.py`` (its target, drafts, documents and packed
 micro-batches): one full step (``compute_loss``, backward, AdamW) on the first packed micro-batch,

@@ -1,4 +1,4 @@
-"""Does training on the target's own answers pay when served? (issue #20's experiment)
+"""Does training on the target's own answers pay when served?
 
 Two EAGLE-3 drafts of the shipped ``tiny-llama`` target, trained by the quickstart config with the same
 steps, seed and held-out validation conversations, differ only in their training answers:

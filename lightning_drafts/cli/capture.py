@@ -7,7 +7,7 @@ import argparse
 import os
 
 
-def capture_main(args: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-drafts capture",
         description="Capture a fit config's target features for its draft into a features directory.",
@@ -32,7 +32,11 @@ def capture_main(args: list[str]) -> None:
     parser.add_argument(
         "--max-shards", type=int, default=None, help="stop after this many shards (resumable)"
     )
-    parsed, overrides = parser.parse_known_args(args)
+    return parser
+
+
+def capture_main(args: list[str]) -> None:
+    parsed, overrides = build_parser().parse_known_args(args)
 
     import torch
     import torch.distributed as dist

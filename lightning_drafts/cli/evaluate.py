@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
+from lightning_drafts.serving.model_card import has_card, results_section, update_results
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
 from lightning_drafts.workflows.evaluate import evaluate_export
@@ -31,7 +32,7 @@ DEFAULT_VAL_FRACTION = 0.02
 
 
 def evaluate_main(args: list[str]) -> None:
-    parsed, overrides = _parser().parse_known_args(args)
+    parsed, overrides = build_parser().parse_known_args(args)
     if overrides and not parsed.config:
         raise SystemExit(f"{overrides[0]}: config overrides need --config")
     config = read_config_with_overrides(parsed.config, overrides) if parsed.config else {}
@@ -54,13 +55,21 @@ def evaluate_main(args: list[str]) -> None:
         progress=True,
     )
     print(report.format_table())
+    if parsed.no_card:
+        pass
+    elif has_card(parsed.export_dir):
+        print(f"updated {update_results(parsed.export_dir, results_section(report, _prompt_source(parsed)))}")
+    else:
+        print(
+            f"{parsed.export_dir} has no model card (README.md) to update; `lightning-drafts export` writes one"
+        )
     if parsed.json:
         print(f"wrote {report.write_json(parsed.json)}")
     if report.lossless is False:
         raise SystemExit("speculative decoding did not reproduce the target's greedy output (see the table)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-drafts evaluate",
         description="Greedy speculative decoding from an exported draft, verified by the target: the served "
@@ -116,7 +125,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare")
     parser.add_argument("--no-training-estimate", action="store_true", help="skip tau_sim")
     parser.add_argument("--json", default=None, help="also write the full report here")
+    parser.add_argument(
+        "--no-card", action="store_true", help="leave the export's README.md (its model card) as it is"
+    )
     return parser
+
+
+def _prompt_source(parsed: argparse.Namespace) -> str:
+    """Where the prompts came from, in the words of the model card (the first source that applies)."""
+    if parsed.prompts:
+        return f"`{parsed.prompts}`"
+    if parsed.data_files:
+        return f"the held-out {parsed.val_fraction:.0%} of " + ", ".join(f"`{f}`" for f in parsed.data_files)
+    if parsed.config:
+        return f"the validation split of `{parsed.config}`"
+    return "the embedded corpus (the quickstart split)"
 
 
 def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]:

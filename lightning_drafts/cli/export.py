@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def export_main(args: list[str]) -> None:
-    from lightning_drafts.workflows.export import export_checkpoint
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-drafts export",
         description="Write a trained draft in the layout serving engines load.",
@@ -25,7 +23,13 @@ def export_main(args: list[str]) -> None:
         action="store_true",
         help="replace the export files (config, weights, shards) of a non-empty output_dir; nothing else",
     )
-    parsed = parser.parse_args(args)
+    return parser
+
+
+def export_main(args: list[str]) -> None:
+    from lightning_drafts.workflows.export import export_checkpoint
+
+    parsed = build_parser().parse_args(args)
     path = export_checkpoint(
         parsed.checkpoint,
         parsed.output_dir,

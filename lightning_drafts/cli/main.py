@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
 from typing import Any
 
@@ -13,6 +15,15 @@ SUBCOMMANDS = {
     "export": "write a trained checkpoint in the layout vLLM / SGLang load, validated against its target",
     "evaluate": "serve an export with real greedy speculative decoding: served vs training acceptance",
     "regenerate": "rewrite a config's answers with its own target (train on what the target writes)",
+    "plot": "draw a run's loss, val/accept_len and acceptance-by-position curves into PNG files",
+}
+# The subcommands with an argparse parser (fit / validate are LightningCLI's): module, its main.
+ARGPARSE_COMMANDS = {
+    "capture": ("lightning_drafts.cli.capture", "capture_main"),
+    "export": ("lightning_drafts.cli.export", "export_main"),
+    "evaluate": ("lightning_drafts.cli.evaluate", "evaluate_main"),
+    "regenerate": ("lightning_drafts.cli.regenerate", "regenerate_main"),
+    "plot": ("lightning_drafts.cli.plot", "plot_main"),
 }
 USAGE = (
     "usage: lightning-drafts {"
@@ -29,22 +40,9 @@ def main(args: list[str] | None = None) -> None:
     if command in (None, "-h", "--help"):
         print(USAGE)
         return
-    if command == "capture":
-        from lightning_drafts.cli.capture import capture_main
-
-        capture_main(given[1:])
-    elif command == "export":
-        from lightning_drafts.cli.export import export_main
-
-        export_main(given[1:])
-    elif command == "evaluate":
-        from lightning_drafts.cli.evaluate import evaluate_main
-
-        evaluate_main(given[1:])
-    elif command == "regenerate":
-        from lightning_drafts.cli.regenerate import regenerate_main
-
-        regenerate_main(given[1:])
+    if command in ARGPARSE_COMMANDS:
+        module, entry = ARGPARSE_COMMANDS[command]
+        getattr(importlib.import_module(module), entry)(given[1:])
     elif command in SUBCOMMANDS:
         run_cli(args)
     else:
@@ -56,3 +54,10 @@ def run_cli(args: list[str] | None = None) -> Any:
     from lightning_drafts.cli.fit import run_cli as fit
 
     return fit(args)
+
+
+def argparse_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of an argparse subcommand (the docs' reference and command checks read it)."""
+    if command not in ARGPARSE_COMMANDS:
+        raise ValueError(f"{command!r} has no argparse parser; those that do: {sorted(ARGPARSE_COMMANDS)}")
+    return importlib.import_module(ARGPARSE_COMMANDS[command][0]).build_parser()

@@ -23,7 +23,7 @@ from lightning_drafts.cli.fit_config import config_datamodule, read_config_with_
 
 
 def regenerate_main(args: list[str]) -> None:
-    parsed, overrides = _parser().parse_known_args(args)
+    parsed, overrides = build_parser().parse_known_args(args)
     # Merging reads only the workers' files: no target, tokenizer or data to load.
     if parsed.merge is not None:
         from lightning_drafts.workflows.regenerate import merge_shards
@@ -141,7 +141,7 @@ def _describe(spec: Any) -> Any:
     return str(spec)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-drafts regenerate",
         description="Rewrite every assistant turn of a fit config's data with the config's own target.",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_drafts.dflash.export_check import validate_dflash_export
-from lightning_drafts.dflash.layout import ARCHITECTURES
+from lightning_drafts.dflash.layout import ARCHITECTURES, DFLASH2_ARCHITECTURE
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
 from lightning_drafts.dflash.speculate import default_num_steps, load_speculator, load_training_module
 from lightning_drafts.serving.family import DraftFamily
@@ -18,4 +18,6 @@ FAMILY = DraftFamily(
     default_num_steps=default_num_steps,
     # vLLM tells DFlash2 from DFlash by the architecture; both are its "dflash" method.
     vllm_methods={architecture: "dflash" for architecture in ARCHITECTURES},
+    # SGLang's DFlash model has no in-block convolutions or path selector: DFlash only.
+    sglang_algorithms={a: "DFLASH" for a in ARCHITECTURES if a != DFLASH2_ARCHITECTURE},
 )

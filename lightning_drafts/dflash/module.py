@@ -359,12 +359,19 @@ class DFlash2Module(DFlashModule):
     """DFlash2 (dflash.md §5): DFlash plus an in-block two-tap convolution around every sublayer and a
     pairwise path selector over each slot's top-``selector_top_k`` candidates.
 
-    Extra args: ``conv_kernel_size`` (2), ``conv_group_size`` (16, must divide the hidden size),
-    ``selector_rank`` (256), ``selector_top_k`` (16, at most the vocabulary), ``selector_loss_weight``
-    (λ, 1.0, >= 0). ``variable_prefix`` is not supported. ``correct`` is the selector's teacher-forced
-    pick; ``metrics`` add ``candidate_recall``, ``greedy_accept_len`` (the real greedy selector walk),
-    ``base_accept_len`` (backbone argmax), ``base_loss`` (the ``loss_type`` objective) and
-    ``selector_loss`` (weighted by the objective's per-position weights, over their own sum).
+    ``variable_prefix`` is not supported. ``correct`` is the selector's teacher-forced pick; ``metrics``
+    add ``candidate_recall``, ``greedy_accept_len`` (the real greedy selector walk), ``base_accept_len``
+    (backbone argmax), ``base_loss`` (the ``loss_type`` objective) and ``selector_loss`` (weighted by the
+    objective's per-position weights, over their own sum).
+
+    Args:
+        num_anchors: blocks per **document** and micro-batch (256 for DFlash2).
+        conv_kernel_size: taps of the in-block convolution around every sublayer (2; identity at init).
+        conv_group_size: channels per convolution group (16); must divide the hidden size.
+        selector_rank: rank of the pairwise path selector (256).
+        selector_top_k: candidates per slot the selector scores (16), at most the vocabulary.
+        selector_loss_weight: the selector loss's weight λ (1.0), >= 0.
+        **dflash_kwargs: every :class:`DFlashModule` argument.
     """
 
     architecture = "DFlash2DraftModel"

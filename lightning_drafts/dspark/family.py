@@ -20,4 +20,6 @@ FAMILY = DraftFamily(
     # Both layouts load into vLLM's Qwen3 DSpark model (tests/families/test_vllm_layouts.py), which only
     # vLLM's V2 model runner serves: its CPU build refuses to.
     vllm_methods={architecture: "dspark" for architecture in LAYOUTS.values()},
+    # SGLang loads SpecForge's layout; NeMo's (with the embedding / LM head copies) is not its model.
+    sglang_algorithms={LAYOUTS["specforge"]: "DSPARK"},
 )

@@ -17,4 +17,6 @@ FAMILY = DraftFamily(
     load_training_module=load_training_module,
     default_num_steps=default_num_steps,
     vllm_methods={DENSE_ARCHITECTURE: "eagle3", MLA_ARCHITECTURE: "eagle3"},
+    # SGLang has no model for the MLA draft's layout (Eagle3DeepseekV2ForCausalLM is vLLM's).
+    sglang_algorithms={DENSE_ARCHITECTURE: "EAGLE3"},
 )

@@ -28,6 +28,7 @@ from lightning_drafts.core.digest import tensor_fingerprint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"  # the model card (serving.model_card); no validator reads it
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ SHARD_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.i
 
 
 def is_export_file(name: str) -> bool:
-    return name in (CONFIG_FILE, WEIGHTS_FILE) or SHARD_PATTERN.fullmatch(name) is not None
+    return name in (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE) or SHARD_PATTERN.fullmatch(name) is not None
 
 
 def check_destination(output_dir: str | Path, overwrite: bool) -> list[str]:
@@ -91,7 +92,7 @@ def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Pa
     an error, its files are moved into ``output_dir``; otherwise nothing there changes.
 
     A non-empty ``output_dir`` is refused unless ``overwrite``, which then removes the export files there
-    (config, weights, weight shards: :func:`is_export_file`) and nothing else. A ``ValueError`` raised
+    (config, weights, weight shards, model card: :func:`is_export_file`) and nothing else. A ``ValueError`` raised
     inside names ``output_dir``, not the temporary directory.
     """
     output = Path(output_dir)

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 from lightning_drafts.serving.export_files import CONFIG_FILE, ExportSummary, architecture_of, read_export
+from lightning_drafts.serving.model_card import TrainingFacts, write_card
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import FrozenTarget
 
@@ -81,6 +82,8 @@ class DraftFamily:
             layout, and ``module.export(dir)`` takes none).
         vllm_methods: ``architectures[0]`` -> vLLM's speculative ``method`` serving that layout
             (``evaluate --engine vllm``); an architecture vLLM does not load is absent.
+        sglang_algorithms: ``architectures[0]`` -> SGLang's ``--speculative-algorithm`` for that layout
+            (the model card's serving command); an architecture SGLang does not load is absent.
     """
 
     name: str
@@ -92,6 +95,7 @@ class DraftFamily:
     default_num_steps: Callable[[dict[str, Any]], int]
     layouts: tuple[str, ...] = ()
     vllm_methods: Mapping[str, str] = field(default_factory=dict)
+    sglang_algorithms: Mapping[str, str] = field(default_factory=dict)
 
     def vllm_method(self, architecture: str) -> str:
         """vLLM's speculative method for an export of ``architecture``; refused when vLLM loads none."""
@@ -103,17 +107,28 @@ class DraftFamily:
             )
         return self.vllm_methods[architecture]
 
-    def export(self, module: DraftModule, output_dir: str | Path, layout: str | None = None) -> Path:
-        """Write ``module``'s serving layout (``module.export``, which validates what it writes), refusing
-        a layout the family does not have."""
+    def export(
+        self,
+        module: DraftModule,
+        output_dir: str | Path,
+        layout: str | None = None,
+        training: TrainingFacts | None = None,
+        served_from: str | Path | None = None,
+    ) -> Path:
+        """Write ``module``'s serving layout (``module.export``, which validates what it writes) and its
+        model card (``README.md``: ``training`` says how it was trained, ``served_from`` where the export
+        will be served from, default ``output_dir``), refusing a layout the family does not have."""
         if layout is not None and layout not in self.layouts:
             offered = (
                 f"writes the layouts {list(self.layouts)}" if self.layouts else "exports one layout only"
             )
             raise ValueError(f"layout {layout!r} was given, but {type(module).__name__} {offered}")
         if self.layouts:
-            return module.export(Path(output_dir), layout=layout)
-        return module.export(Path(output_dir))
+            path = module.export(Path(output_dir), layout=layout)
+        else:
+            path = module.export(Path(output_dir))
+        write_card(module, self, path, export_dir=served_from, training=training)
+        return path
 
 
 class FamilyRegistry:

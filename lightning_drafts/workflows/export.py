@@ -6,9 +6,11 @@ import importlib
 from pathlib import Path
 
 import torch
+import yaml
 
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.export_files import ExportSummary, check_destination, staged_export
+from lightning_drafts.serving.model_card import TrainingFacts
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import FrozenTarget
 
@@ -57,9 +59,60 @@ def export_checkpoint(
     # What serving reads is checked against the target it will serve with, for every family, before it
     # lands: a refused export leaves output_dir as it was.
     with staged_export(output_dir, overwrite=overwrite) as staging:
-        family.export(module, staging, layout=layout)
+        training = training_facts(checkpoint_path)
+        family.export(
+            module, staging, layout=layout, training=training, served_from=Path(output_dir).resolve()
+        )
         family.validate(staging, module.target)
     return Path(output_dir)
+
+
+def export_module(module: DraftModule, output_dir: str | Path, layout: str | None = None) -> Path:
+    """Write a module's serving layout and its model card (``module.export(dir)`` writes the serving files
+    only: the card's serving commands come from the family record, which the module does not know)."""
+    return REGISTRY.for_module(module).export(module, output_dir, layout=layout)
+
+
+def training_facts(checkpoint_path: str | Path) -> TrainingFacts:
+    """What a ``fit`` checkpoint records of its training, for the model card: steps, epochs, the loader's
+    documents and tokens, the ``val/accept_len`` its ``ModelCheckpoint`` saved it at, and the data files of
+    the ``config.yaml`` LightningCLI writes beside its ``checkpoints/`` directory (when present)."""
+    # Memory-mapped: the draft's tensors were loaded once already and are not read here.
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
+    score = None
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if (
+            isinstance(state, dict)
+            and state.get("monitor") == "val/accept_len"
+            and state.get("current_score") is not None
+        ):
+            score = float(state["current_score"])
+    identity = next(
+        (
+            v["identity"]
+            for v in checkpoint.values()
+            if isinstance(v, dict) and isinstance(v.get("identity"), dict)
+        ),
+        {},
+    )
+    return TrainingFacts(
+        checkpoint=Path(checkpoint_path).name,
+        steps=checkpoint.get("global_step"),
+        epochs=checkpoint.get("epoch"),
+        data_files=_config_data_files(Path(checkpoint_path).resolve().parent.parent / "config.yaml"),
+        documents=identity.get("documents"),
+        tokens=identity.get("tokens"),
+        val_accept_len=score,
+    )
+
+
+def _config_data_files(config_path: Path) -> list[str] | None:
+    """The fit config's ``data_files`` (``[]``: the embedded corpus), or ``None`` without a config."""
+    if not config_path.is_file():
+        return None
+    data = (yaml.safe_load(config_path.read_text()) or {}).get("data") or {}
+    files = (data.get("init_args") or {}).get("data_files")
+    return [] if files is None else [files] if isinstance(files, str) else [str(f) for f in files]
 
 
 def validate_export(directory: str | Path, target: FrozenTarget | None = None) -> ExportSummary:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -77,7 +79,10 @@ checkpoint = f"{work}/eagle3/version_0/checkpoints/best.ckpt"
 cli("validate", *common, f"--ckpt_path={checkpoint}", "--trainer.limit_val_batches=1")
 cli("export", checkpoint, f"{work}/export")
 cli("evaluate", f"{work}/export", f"--config={config}", "--num-prompts=1", "--max-new-tokens=4",
-    f"--cache-dir={work}/cache")
+    f"--cache-dir={work}/cache", f"--json={work}/served.json")
+from lightning_drafts.serving.model_card import read_card
+front, body = read_card(f"{work}/export")
+print("CARD " + json.dumps({"front": front, "body": body}))
 print("WARNINGS " + json.dumps(seen))
 """
 
@@ -92,3 +97,27 @@ def test_a_quickstart_fit_validate_export_evaluate_prints_no_warning_of_ours(tmp
     console = result.stdout + result.stderr
     # Lightning's own bar printed a max_steps run as "Epoch 0/-2" and the logger version as a metric.
     assert "Epoch 0/-2" not in console and "v_num" not in console
+
+    # The export's model card, read back: what the checkpoint and evaluate's own report say.
+    card = json.loads(result.stdout.rsplit("CARD ", 1)[1].split("\nWARNINGS ", 1)[0])
+    front, body = card["front"], card["body"]
+    assert front == {
+        "base_model": "shipped:tiny-llama",
+        "library_name": "lightning-drafts",
+        "tags": ["speculative-decoding", "eagle3"],
+    }
+    checkpoint = torch.load(tmp_path / "eagle3/version_0/checkpoints/best.ckpt", weights_only=False)
+    (score,) = [
+        s["current_score"] for s in checkpoint["callbacks"].values() if s.get("monitor") == "val/accept_len"
+    ]
+    assert "| optimizer steps | 2 |" in body
+    assert "| training data | the embedded chitchat-dataset corpus |" in body
+    assert f"| `val/accept_len` at this checkpoint | {float(score):.3f} |" in body
+    served = json.loads((tmp_path / "served.json").read_text())
+    assert f"| served `accept_len` | {served['served']['accept_len']:.3f} |" in body
+    assert f"| prompts | 1 from the validation split of `{config}` |" in body
+    shipped = ROOT / "lightning_drafts" / "shipped" / "tiny-llama"
+    assert (
+        f"vllm serve {shipped} --speculative-config "
+        f"""'{{"method": "eagle3", "model": "{tmp_path / "export"}", "num_speculative_tokens": 4}}'"""
+    ) in body

@@ -1,4 +1,4 @@
-"""The README's notebook example runs as written and its metrics read back."""
+"""The docs' notebook example (Training from Python) runs as written and its metrics read back."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ import torch
 
 from tests.acceptance_reference import accept_len_by_definition
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started" / "notebook.md"
 
 
 def notebook_example() -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     match = re.search(r"<!-- notebook-example -->\n```python\n(.*?)```", text, re.DOTALL)
-    assert match, "README.md lost its notebook example block"
+    assert match, f"{PAGE} lost its notebook example block"
     return match.group(1)
 
 
-def test_readme_notebook_example_trains_and_reads_metrics_back(tmp_path, monkeypatch, capsys):
+def test_the_notebook_example_trains_and_reads_metrics_back(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(notebook_example(), "README.md", "exec"), namespace)
+    exec(compile(notebook_example(), str(PAGE), "exec"), namespace)
 
     trainer = namespace["trainer"]
     assert trainer.global_step == 8

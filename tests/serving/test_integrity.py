@@ -14,7 +14,7 @@ import torch
 
 from lightning_drafts.cli.main import main
 from lightning_drafts.core.digest import state_digest
-from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
+from lightning_drafts.serving.export_files import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
@@ -132,7 +132,9 @@ def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_export
     assert stale.exists() and (out / CONFIG_FILE).read_bytes() == before  # refused: nothing changed
 
     main(["export", str(OLD_CHECKPOINT), str(out), "--overwrite"])
-    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, "notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, "notes.txt"]
+    )
     assert (out / "notes.txt").read_text() == "mine"
 
 

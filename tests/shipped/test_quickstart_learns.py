@@ -1,10 +1,10 @@
-"""The README's quickstart, shortened, visibly learns on its shipped target: what a newcomer reads in
+"""The EAGLE-3 quickstart, shortened, visibly learns on its shipped target: what a newcomer reads in
 TensorBoard (train/loss down, val/accept_len up, the acceptance-by-position picture rising) is in the
 event file.
 
-The full runs and their served acceptance are ``benchmarks/quickstarts.py`` (README: Quickstart); this
-checks the first 100 steps, where a random target's draft stayed flat (issue #16: accept_len near 1.3 at
-every validation, equal per-position accuracies that never moved).
+The full runs and their served acceptance are ``benchmarks/quickstarts.py`` (docs: Results, quickstarts); this
+checks the first 100 steps, where a draft of a random target stays flat (accept_len near 1.3 at every
+validation, equal per-position accuracies that never move).
 """
 
 from __future__ import annotations

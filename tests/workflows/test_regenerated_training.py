@@ -1,7 +1,7 @@
-"""Issue #20's claim, shortened: on the shipped target, a draft trained on the target's regenerated
+"""Training on the target's own answers pays when served, shortened: on the shipped target, a draft trained on the target's regenerated
 answers accepts more tokens when served than one trained on the original answers, same steps and seed.
 
-The full-size run is ``benchmarks/regenerated_accept.py`` (README: Train on the target's own answers); here
+The full-size run is ``benchmarks/regenerated_accept.py`` (docs: Results, regenerated data); here
 40 conversations cut at 256 tokens and 50 steps, served on 8 prompts of 10 conversations neither draft
 trained on.
 """

@@ -287,14 +287,14 @@ def test_every_file_auto_map_names_is_in_the_export(layout, trained, tmp_path):
     )
 
 
-def test_the_readme_s_sglang_command_drafts_one_block():
+def test_the_docs_sglang_command_drafts_one_block():
     """SGLang drafts --speculative-num-draft-tokens - 1 tokens a round and refuses any value but
     block_size + 1 (python/sglang/srt/speculative/dspark_components/dspark_config.py,
-    dspark_gamma_from_num_draft_tokens; the server-argument hook's _handle_dspark), so the README's command
-    passes the default block_size + 1."""
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    dspark_gamma_from_num_draft_tokens; the server-argument hook's _handle_dspark), so the DSpark guide's
+    command passes the default block_size + 1."""
+    guide = (Path(__file__).resolve().parents[3] / "docs" / "guides" / "dspark.md").read_text()
     commands = re.findall(
-        r"--speculative-algorithm DSPARK.*?--speculative-num-draft-tokens (\d+)", readme, re.S
+        r"--speculative-algorithm DSPARK.*?--speculative-num-draft-tokens (\d+)", guide, re.S
     )
     block_size = inspect.signature(DSparkModule).parameters["block_size"].default
     assert commands and all(int(tokens) == block_size + 1 for tokens in commands), commands

@@ -1,0 +1,46 @@
+"""The CLI reference is generated from the parsers: every option of every subcommand is on its page, as
+the installed command prints it (``docs/hooks.py``, which ``mkdocs build`` runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from lightning_drafts.cli.main import ARGPARSE_COMMANDS, SUBCOMMANDS, argparse_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    """docs/hooks.py, loaded once: its help texts are cached for the module's tests."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    module.cli_help.cache_clear()
+
+
+def test_the_cli_page_renders_every_subcommand(hooks):
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    rendered = hooks.on_page_markdown(page, None, None, None)
+    assert "<!-- cli:" not in rendered
+    for command in SUBCOMMANDS:
+        assert f"$ lightning-drafts {command} --help" in rendered, command
+
+
+@pytest.mark.parametrize("command", sorted(ARGPARSE_COMMANDS))
+def test_every_option_of_an_argparse_subcommand_is_in_its_reference(hooks, command):
+    text = hooks.cli_help(command)
+    options = [o for action in argparse_parser(command)._actions for o in action.option_strings]
+    assert options, command
+    missing = [o for o in options if o not in text]
+    assert not missing, f"lightning-drafts {command}: {missing} missing from the reference"
+
+
+def test_the_fit_reference_lists_the_trainer_and_the_model(hooks):
+    text = hooks.cli_help("fit")
+    for option in ("--config", "--trainer.max_steps", "--model", "--data", "--ckpt_path"):
+        assert option in text, option
