@@ -260,3 +260,85 @@ def eagle3_reference(module: Any, lk_loss_type: str | None = None, packs: bool =
         return trainer(**batch.to_trainer_inputs())
 
     return Reference(draft, EAGLE3_RENAMES, step)
+
+
+def _nemo_anchors(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The project's ``[B, N]`` anchors (-1 = none) as NeMo's ``(anchors, keep_mask)`` (0 where not kept)."""
+    keep = anchors >= 0
+    return anchors.clamp(min=0), keep
+
+
+def dflash_reference(
+    module: Any, packs: bool = True, prefix_lengths: torch.Tensor | None = None
+) -> Reference:
+    """DFlash or DFlash2 under NeMo's ``DFlashTrainerModule`` / ``DFlash2TrainerModule`` (objective
+    ``dflash``, or ``variable_prefix`` with the given ``prefix_lengths`` ``[B, N]``), with the draft config
+    NeMo's recipe derives from the target."""
+    dflash_core, target_module = load("speculative.dflash.core"), load("speculative.dflash.target")
+    draft_qwen3 = load("speculative.dflash.draft_qwen3")
+    dflash2 = hasattr(module, "selector_top_k")
+    hf = module.target.model
+    extra = {
+        "target_layer_ids": list(module.target_layer_ids),
+        "block_size": module.block_size,
+        "mask_token_id": module.mask_token_id,
+    }
+    if dflash2:
+        extra.update(selector_rank=module._selector_rank, selector_top_k=module.selector_top_k)
+    config = draft_qwen3.build_qwen3_dflash_draft_config(
+        hf.config,
+        num_draft_layers=len(module.draft.layers),
+        num_target_layers=hf.config.num_hidden_layers,
+        block_size=module.block_size,
+        dflash_config=extra,
+        attention_backend="sdpa",
+    )
+    if module.sliding_window is not None:
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        config.sliding_window = module.sliding_window
+    if dflash2:
+        draft = load("speculative.dflash.draft_qwen3_dflash2").Qwen3DFlash2DraftModel(config).float()
+        base = load("speculative.dflash.dflash2_core").DFlash2TrainerModule
+        options = {"selector_loss_weight": module.selector_loss_weight}
+    else:
+        draft = draft_qwen3.Qwen3DFlashDraftModel(config).float()
+        base = dflash_core.DFlashTrainerModule
+        loss_type = "variable_prefix" if module.variable_prefix else "dflash"
+        options = {"loss_type": loss_type, "prefix_weight_base": module.prefix_weight_base}
+    load_into(draft, module.draft, ())
+    given: dict[str, torch.Tensor] = {}
+
+    class GivenAnchors(base):
+        """NeMo's trainer with the anchors (and prefix lengths) it would sample replaced by given ones."""
+
+        def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
+            return _nemo_anchors(given["anchors"])
+
+        def _sample_prefix_lengths(self, bsz, n_blocks, device):
+            return given["prefix_lengths"]
+
+    trainer = GivenAnchors(
+        draft,
+        hf.get_output_embeddings(),
+        hf.get_input_embeddings(),
+        mask_token_id=module.mask_token_id,
+        block_size=module.block_size,
+        attention_backend="sdpa",
+        num_anchors=module.num_anchors,
+        loss_decay_gamma=module.loss_decay_gamma,
+        sliding_window=module.sliding_window,
+        **options,
+    )
+    wrapper = target_module.HFDFlashTargetModel(hf, target_layer_ids=list(module.target_layer_ids))
+
+    def step(packed: Any, anchors: torch.Tensor | None) -> Any:
+        given["anchors"] = anchors
+        if prefix_lengths is not None:
+            given["prefix_lengths"] = prefix_lengths
+        packing = _packing(packed, packs)
+        batch = wrapper.generate_batch(
+            packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **packing
+        )
+        return trainer(batch.input_ids, batch.hidden_states, batch.loss_mask, **packing)
+
+    return Reference(draft, (), step)
