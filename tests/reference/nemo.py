@@ -342,3 +342,74 @@ def dflash_reference(
         return trainer(batch.input_ids, batch.hidden_states, batch.loss_mask, **packing)
 
     return Reference(draft, (), step)
+
+
+class _Args(dict):
+    """The attribute-and-``in`` view of recipe arguments that NeMo's DSpark config builder reads."""
+
+    __getattr__ = dict.__getitem__
+
+
+def dspark_reference(module: Any, width: int, packs: bool = True) -> Reference:
+    """DSpark under NeMo's ``DSparkTrainerModule``, the draft config from NeMo's ``build_draft_config``, for
+    batches ``width`` tokens wide. NeMo's draft samples its anchors; allowed as many as a row has candidate
+    positions (``width - 1``), it keeps every valid one, so ``step(packed, None)`` trains on a fixed set,
+    which :func:`dspark_anchors` gives in the project's layout."""
+    config_module, target_module = load("speculative.dspark.config"), load("speculative.dspark.target")
+    core, draft_qwen3 = load("speculative.dspark.core"), load("speculative.dspark.draft_qwen3")
+    hf = module.target.model
+    hp = module.hparams
+    args = _Args(
+        num_draft_layers=len(module.draft.layers),
+        target_layer_ids=list(module.target_layer_ids),
+        confidence_head_alpha=hp.confidence_head_alpha,
+        confidence_head_with_markov=hp.confidence_head_with_markov,
+        markov_rank=hp.markov_rank,
+        markov_head_type=hp.markov_head_type,
+        block_size=module.block_size,
+        mask_token_id=module.mask_token_id,
+        num_anchors=width - 1,
+    )
+    config = config_module.build_draft_config(hf.config, args)
+    config._attn_implementation = "sdpa"  # flex attention runs forward only on CPU
+    draft = draft_qwen3.Qwen3DSparkModel(config).float()
+    load_into(draft, module.draft, ())
+    draft.set_embedding_head_trainable(not hp.freeze_embeddings)
+    trainer = core.DSparkTrainerModule(
+        draft,
+        loss_decay_gamma=module.loss_decay_gamma,
+        ce_loss_alpha=hp.ce_loss_alpha,
+        l1_loss_alpha=hp.l1_loss_alpha,
+        confidence_head_alpha=hp.confidence_head_alpha,
+    )
+    wrapper = target_module.HFDSparkTargetModel(hf, target_layer_ids=list(module.target_layer_ids))
+
+    def step(packed: Any, anchors: torch.Tensor | None = None) -> Any:
+        packing = _packing(packed, packs)
+        batch = wrapper.generate_batch(
+            packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **packing
+        )
+        return trainer(
+            batch.input_ids,
+            batch.target_hidden_states,
+            batch.loss_mask,
+            target_last_hidden_states=batch.target_last_hidden_states,
+            **packing,
+        )
+
+    return Reference(draft, (), step)
+
+
+def dspark_anchors(packed: Any, packs: bool = True) -> torch.Tensor:
+    """Every anchor NeMo's DSpark draft trains on for ``packed`` (its own sampler, which then keeps them all),
+    in the project's ``[B, N]`` layout (-1 = none)."""
+    common = load("speculative.dspark.common")
+    anchors, keep = common.sample_anchor_positions(
+        seq_len=packed.input_ids.shape[1],
+        loss_mask=packed.loss_mask.long(),
+        num_anchors=packed.input_ids.shape[1] - 1,
+        device=packed.input_ids.device,
+        doc_remaining=packed.doc_remaining if packs else None,
+    )
+    width = int(keep.sum(dim=1).max())
+    return torch.where(keep, anchors, -1)[:, :width]
