@@ -39,7 +39,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-# --- no skipped test: a skip hides a check that did not run, so the session fails on any -------------------
+# --- no skipped test: a skip hides a check that did not run, so any skip fails the run ---------------------
 _SKIPPED: list[str] = []
 
 

@@ -8,10 +8,18 @@ hooks, so :func:`load` reads NeMo's packages as empty namespaces (their ``__init
 for the few whose names the draft files import) and then imports the draft files themselves, which need only
 torch and transformers. Nothing of NeMo is copied into this project.
 
-Used by ``tests/reference/`` and by benchmarks that compare against the reference::
+Used by ``tests/reference/`` and by benchmarks that compare against the reference:
 
-    from tests.reference.nemo import load, nemo_state_dict
-    eagle_core = load("speculative.eagle.core")     # nemo_automodel.components.speculative.eagle.core
+* :func:`load` imports one NeMo module (``load("speculative.eagle.core")``);
+* :func:`eagle3_reference`, :func:`dflash_reference`, :func:`dspark_reference` build NeMo's side of a
+  project module (NeMo's draft holding its weights, NeMo's target wrapper and trainer) as a
+  :class:`Reference` whose ``step(packed, anchors)`` runs one NeMo training step on the same batch;
+* :func:`load_into` and :func:`gradient_pairs` are the weight mapping, both ways (``*_RENAMES``).
+
+::
+
+    reference = eagle3_reference(module)
+    metrics = reference.step(validate_batch(batch, vocab_size=module.target.vocab_size), None)
 """
 
 from __future__ import annotations
@@ -52,7 +60,12 @@ def reference_root() -> Path:
     if given:
         root = Path(given)
     else:
-        built = subprocess.run(["bash", str(ROOT / ".ci" / "reference-env")], capture_output=True, text=True)
+        built = subprocess.run(
+            ["bash", str(ROOT / ".ci" / "reference-env")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
         if built.returncode != 0:
             raise ReferenceUnavailable(
                 f"{ENV_VAR} is unset and `bash .ci/reference-env` failed (it downloads nemo-automodel==0.7.0 "
@@ -199,17 +212,23 @@ def gradient_pairs(
 @dataclass
 class Reference:
     """NeMo's draft (weights copied from the project's), the renames between the two, and one training
-    step of NeMo's trainer: ``step(packed, anchors) -> NeMo's metrics dataclass`` (its loss not yet
-    backpropagated)."""
+    step of NeMo's trainer: ``step(packed, anchors=None, prefix_lengths=None) -> NeMo's metrics dataclass``
+    (its loss not yet backpropagated). A batch whose rows each hold one document runs NeMo's unpacked path,
+    any other its packing path."""
 
     draft: torch.nn.Module
     renames: Sequence[tuple[str, str]]
-    step: Callable[[Any, torch.Tensor | None], Any]
+    step: Callable[..., Any]
 
 
-def _packing(packed: Any, packs: bool) -> dict[str, torch.Tensor]:
+def packs(packed: Any) -> bool:
+    """Whether some row of ``packed`` holds more than one document."""
+    return bool(((packed.seq_lens > 0).sum(dim=1) > 1).any())
+
+
+def _packing(packed: Any) -> dict[str, torch.Tensor]:
     """NeMo's packing inputs: the contract's document layout when the batch packs, nothing when padded."""
-    if not packs:
+    if not packs(packed):
         return {}
     return {
         "position_ids": packed.position_ids,
@@ -218,7 +237,7 @@ def _packing(packed: Any, packs: bool) -> dict[str, torch.Tensor]:
     }
 
 
-def eagle3_reference(module: Any, lk_loss_type: str | None = None, packs: bool = True) -> Reference:
+def eagle3_reference(module: Any, lk_loss_type: str | None = None) -> Reference:
     """EAGLE-3 (dense ``LlamaEagle3DraftModel`` or MLA ``DeepseekV3Eagle3DraftModel``) under NeMo's
     ``Eagle3TrainerModule``, with the draft config NeMo's recipe derives from the target."""
     core, target_module = load("speculative.eagle.core"), load("speculative.eagle.target")
@@ -253,9 +272,11 @@ def eagle3_reference(module: Any, lk_loss_type: str | None = None, packs: bool =
     )
     wrapper = target_module.HFEagle3TargetModel(hf, aux_layer_ids=list(module.target_layer_ids))
 
-    def step(packed: Any, anchors: torch.Tensor | None = None) -> Any:
+    def step(
+        packed: Any, anchors: torch.Tensor | None = None, prefix_lengths: torch.Tensor | None = None
+    ) -> Any:
         batch = wrapper.generate_batch(
-            packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **_packing(packed, packs)
+            packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **_packing(packed)
         )
         return trainer(**batch.to_trainer_inputs())
 
@@ -268,11 +289,9 @@ def _nemo_anchors(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return anchors.clamp(min=0), keep
 
 
-def dflash_reference(
-    module: Any, packs: bool = True, prefix_lengths: torch.Tensor | None = None
-) -> Reference:
+def dflash_reference(module: Any) -> Reference:
     """DFlash or DFlash2 under NeMo's ``DFlashTrainerModule`` / ``DFlash2TrainerModule`` (objective
-    ``dflash``, or ``variable_prefix`` with the given ``prefix_lengths`` ``[B, N]``), with the draft config
+    ``dflash``, or ``variable_prefix`` with the ``prefix_lengths`` ``[B, N]`` given to ``step``), with the draft config
     NeMo's recipe derives from the target."""
     dflash_core, target_module = load("speculative.dflash.core"), load("speculative.dflash.target")
     draft_qwen3 = load("speculative.dflash.draft_qwen3")
@@ -331,11 +350,9 @@ def dflash_reference(
     )
     wrapper = target_module.HFDFlashTargetModel(hf, target_layer_ids=list(module.target_layer_ids))
 
-    def step(packed: Any, anchors: torch.Tensor | None) -> Any:
-        given["anchors"] = anchors
-        if prefix_lengths is not None:
-            given["prefix_lengths"] = prefix_lengths
-        packing = _packing(packed, packs)
+    def step(packed: Any, anchors: torch.Tensor, prefix_lengths: torch.Tensor | None = None) -> Any:
+        given.update(anchors=anchors, prefix_lengths=prefix_lengths)
+        packing = _packing(packed)
         batch = wrapper.generate_batch(
             packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **packing
         )
@@ -350,7 +367,7 @@ class _Args(dict):
     __getattr__ = dict.__getitem__
 
 
-def dspark_reference(module: Any, width: int, packs: bool = True) -> Reference:
+def dspark_reference(module: Any, width: int) -> Reference:
     """DSpark under NeMo's ``DSparkTrainerModule``, the draft config from NeMo's ``build_draft_config``, for
     batches ``width`` tokens wide. NeMo's draft samples its anchors; allowed as many as a row has candidate
     positions (``width - 1``), it keeps every valid one, so ``step(packed, None)`` trains on a fixed set,
@@ -384,8 +401,10 @@ def dspark_reference(module: Any, width: int, packs: bool = True) -> Reference:
     )
     wrapper = target_module.HFDSparkTargetModel(hf, target_layer_ids=list(module.target_layer_ids))
 
-    def step(packed: Any, anchors: torch.Tensor | None = None) -> Any:
-        packing = _packing(packed, packs)
+    def step(
+        packed: Any, anchors: torch.Tensor | None = None, prefix_lengths: torch.Tensor | None = None
+    ) -> Any:
+        packing = _packing(packed)
         batch = wrapper.generate_batch(
             packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **packing
         )
@@ -400,7 +419,7 @@ def dspark_reference(module: Any, width: int, packs: bool = True) -> Reference:
     return Reference(draft, (), step)
 
 
-def dspark_anchors(packed: Any, packs: bool = True) -> torch.Tensor:
+def dspark_anchors(packed: Any) -> torch.Tensor:
     """Every anchor NeMo's DSpark draft trains on for ``packed`` (its own sampler, which then keeps them all),
     in the project's ``[B, N]`` layout (-1 = none)."""
     common = load("speculative.dspark.common")
@@ -409,7 +428,7 @@ def dspark_anchors(packed: Any, packs: bool = True) -> torch.Tensor:
         loss_mask=packed.loss_mask.long(),
         num_anchors=packed.input_ids.shape[1] - 1,
         device=packed.input_ids.device,
-        doc_remaining=packed.doc_remaining if packs else None,
+        doc_remaining=packed.doc_remaining if packs(packed) else None,
     )
     width = int(keep.sum(dim=1).max())
     return torch.where(keep, anchors, -1)[:, :width]
