@@ -13,10 +13,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scripts" / script), *args],
@@ -24,7 +26,7 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -130,7 +132,7 @@ def test_every_fsdp2_recipe_fits_on_cpu_in_bf16(tmp_path):
     """Each GPU recipe as shipped (FSDP2, bf16-true, its draft hyperparameters and callbacks) with only
     the target, data, accelerator and run length shrunk, through `lightning-drafts fit` on 2 processes."""
     assert len(FSDP2_RECIPES) == 5
-    run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES), timeout=600)
+    run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES))
     for recipe in FSDP2_RECIPES:
         (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/*.ckpt")
         checkpoint = torch.load(best, weights_only=False)
