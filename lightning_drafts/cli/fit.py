@@ -13,8 +13,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_drafts.callbacks.data_match import DataMatchCallback
+from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
+from lightning_drafts.cli.resume import resume_into_same_run
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.module import DraftModule
 
@@ -46,10 +48,15 @@ class DraftCLI(LightningCLI):
         # DataMatchCallback, e.g. with num_documents: 0, wins).
         if self.subcommand == "fit" and not any(isinstance(c, DataMatchCallback) for c in callbacks):
             callbacks.append(DataMatchCallback())
+        # SIGTERM / Ctrl-C save a resumable last.ckpt and exit non-zero (a config's own instance wins).
+        if self.subcommand == "fit" and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
+            callbacks.append(PreemptionCheckpoint())
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit":
+            resume_into_same_run(config)
         # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
         # dropped without a word and the module's own AdamW + warmup-cosine would run.
         if config.get("lr_scheduler") and not config.get("optimizer"):
