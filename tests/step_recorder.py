@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
@@ -37,9 +38,13 @@ def document_digests(batch: dict[str, torch.Tensor]) -> list[str]:
             mask = batch["loss_mask"][row, span][real[span]]
             start += length
             if tokens.numel():
-                payload = tokens.to(torch.int64).numpy().tobytes() + mask.to(torch.int8).numpy().tobytes()
-                digests.append(hashlib.sha256(payload).hexdigest()[:20])
+                digests.append(document_digest(tokens.numpy(), mask.numpy()))
     return digests
+
+
+def document_digest(tokens: np.ndarray, loss_mask: np.ndarray) -> str:
+    payload = np.asarray(tokens, dtype=np.int64).tobytes() + np.asarray(loss_mask, dtype=np.int8).tobytes()
+    return hashlib.sha256(payload).hexdigest()[:20]
 
 
 class StepRecorder(L.Callback):

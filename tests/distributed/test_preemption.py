@@ -11,13 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_drafts.datamodules import PackedChatDataModule
 from tests.hang_guard import HANG_GUARD_S
+from tests.step_recorder import document_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "preempted_fit.py"
@@ -38,7 +42,7 @@ def fit(out: Path, launch: str, devices: int, *extra: str) -> subprocess.Complet
     return run
 
 
-def interrupted_fit(out: Path, devices: int, step: int, signum: int) -> tuple[int, str]:
+def interrupted_fit(out: Path, devices: int, step: int, signum: int, *extra: str) -> tuple[int, str]:
     """A fit held at ``step`` and then signalled (SIGTERM / SIGINT: its launching process, as a scheduler
     or a terminal does) or killed (SIGKILL: every process); its exit status and output."""
     until = "kill" if signum == signal.SIGKILL else "signal"
@@ -46,7 +50,18 @@ def interrupted_fit(out: Path, devices: int, step: int, signum: int) -> tuple[in
     out.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
         process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out), "cut", str(devices), str(STEPS), str(step), until],
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(out),
+                "cut",
+                str(devices),
+                str(STEPS),
+                str(step),
+                until,
+                "--",
+                *extra,
+            ],
             cwd=ROOT,
             env=ENV,
             stdout=handle,
@@ -117,3 +132,42 @@ def test_sigkill_loses_only_the_steps_after_the_last_checkpoint(reference, tmp_p
     assert returncode == -signal.SIGKILL
     fit(tmp_path, "resume", 2, "--ckpt_path=last")
     assert_continues(reference, tmp_path, 2, resumed_from=4)
+
+
+def train_documents(out: Path) -> Counter:
+    """Digests of the training split's documents, read from the data module itself (not its loader)."""
+    config = yaml.safe_load((out / "config-cut.yaml").read_text())["data"]["init_args"]
+    data = PackedChatDataModule(**config)
+    data.setup("fit")
+    documents = data.train_documents
+    return Counter(document_digest(*documents.tokens(i)) for i in range(len(documents)))
+
+
+def documents_of_epoch(out: Path, launch: str, ranks: int, through_step: int | None = None) -> Counter:
+    seen = Counter()
+    for rank in range(ranks):
+        for record in steps(out, launch, rank):
+            if record["epoch"] == 0 and (through_step is None or record["step"] <= through_step):
+                seen.update(record["documents"])
+    return seen
+
+
+# One epoch (about 12 steps of 2 ranks x 2 rows, 24 of 1 rank) stopped at step 3, then resumed to its end.
+ONE_EPOCH = ("--trainer.max_steps=-1", "--trainer.max_epochs=1")
+
+
+@pytest.mark.parametrize(("before", "after", "signum"), [(2, 1, signal.SIGTERM), (1, 2, signal.SIGINT)])
+def test_a_checkpoint_resumes_on_another_world_size_using_every_document_of_the_epoch_once(
+    tmp_path, before, after, signum
+):
+    returncode, log = interrupted_fit(tmp_path, before, 3, signum, *ONE_EPOCH)
+    assert returncode == 128 + signum, log[-5000:]
+    fit(tmp_path, "resume", after, "--ckpt_path=last", *ONE_EPOCH)
+    expected = train_documents(tmp_path)
+    assert sum(expected.values()) > 20
+    seen = documents_of_epoch(tmp_path, "cut", before, through_step=3) + documents_of_epoch(
+        tmp_path, "resume", after
+    )
+    assert seen == expected, f"missing {expected - seen}, repeated {seen - expected}"
+    # The resumed run really started mid-epoch, at the step the checkpoint holds.
+    assert steps(tmp_path, "resume", 0)[0]["step"] == 4
