@@ -137,14 +137,21 @@ class LoaderState:
         consumed and the micro-batches already run."""
         pending, self._pending = self._pending, None
         epoch, skip = self.prepare(dataset, pending)
-        self.epoch, self.position, self.identity, self._next_epoch = epoch, skip, dataset.identity(), epoch + 1
+        self.epoch, self.position, self.identity, self._next_epoch = (
+            epoch,
+            skip,
+            dataset.identity(),
+            epoch + 1,
+        )
         self._consumed_after = dataset.consumed_after
 
     def prepare(self, dataset: PackedEpochDataset, pending: dict[str, Any] | None = None) -> tuple[int, int]:
         """Set ``dataset`` to the epoch the next iteration runs (so that its length is that epoch's before
         the iteration starts) and return ``(epoch, micro-batches already run)``; changes no state."""
         epoch, skip, consumed = self._resume_point(
-            dataset.identity(), dataset.plan_kwargs["world_size"], self._pending if pending is None else pending
+            dataset.identity(),
+            dataset.plan_kwargs["world_size"],
+            self._pending if pending is None else pending,
         )
         if consumed is None:
             # A position saved before consumed units were recorded: meaningful at its own world size only.

@@ -134,7 +134,7 @@ def test_every_fsdp2_recipe_fits_on_cpu_in_bf16(tmp_path):
     assert len(FSDP2_RECIPES) == 5
     run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES))
     for recipe in FSDP2_RECIPES:
-        (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/*.ckpt")
+        (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/best*.ckpt")
         checkpoint = torch.load(best, weights_only=False)
         assert checkpoint["global_step"] == 2, recipe.stem
         state = checkpoint["state_dict"]

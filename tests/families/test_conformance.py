@@ -443,7 +443,7 @@ def test_the_quickstart_config_fits_logs_and_exports(family, case: FamilyCase, t
     assert all(torch.isfinite(torch.tensor(e.value)) for e in events.Scalars("train/loss"))
     assert all(e.value >= 1.0 for e in events.Scalars("val/accept_len"))
 
-    (best,) = Path(cli.trainer.logger.log_dir, "checkpoints").glob("*.ckpt")
+    (best,) = Path(cli.trainer.logger.log_dir, "checkpoints").glob("best*.ckpt")
     state = torch.load(best, weights_only=False)["state_dict"]
     assert state and not any(key.startswith("target.") for key in state)
 
