@@ -2,6 +2,7 @@
 
 from lightning_drafts.callbacks.acceptance import AcceptanceCallback
 from lightning_drafts.callbacks.data_match import DataMatchCallback
+from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import DraftRichProgressBar, DraftTQDMProgressBar
 from lightning_drafts.callbacks.served_acceptance import ServedAcceptanceCallback
 from lightning_drafts.callbacks.throughput import ThroughputCallback
@@ -11,6 +12,7 @@ __all__ = [
     "DataMatchCallback",
     "DraftRichProgressBar",
     "DraftTQDMProgressBar",
+    "PreemptionCheckpoint",
     "ServedAcceptanceCallback",
     "ThroughputCallback",
 ]

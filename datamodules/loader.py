@@ -15,7 +15,10 @@ Design, kept deliberately small:
 * :class:`LoaderState` is the state both the DataModule and the loader expose through ``state_dict``.
   Under a Trainer the position is the Trainer's own count of processed training batches, which is
   exact at checkpoint time (the loader's count runs ahead by Lightning's prefetch); without a Trainer
-  the loader's count is used and each ``iter()`` starts the next epoch.
+  the loader's count is used and each ``iter()`` starts the next epoch. Beside the position it records
+  ``consumed``: the epoch's units (rows or documents) all ranks together have used, which means the same
+  on any world size. A resumed epoch deals only the units after those (``plan_epoch(start=...)``), so a
+  checkpoint of 2 ranks resumes on 1 or 4 with every document of the epoch still used exactly once.
 """
 
 from __future__ import annotations
@@ -66,25 +69,34 @@ class PackedEpochDataset(Dataset):
             rank=rank,
         )
         self.epoch = 0
+        # A resumed epoch: the units already consumed (dealt no more) and the micro-batches already run on
+        # this rank (the indices below `skip` are those, so Lightning's batch count carries on).
+        self.start = 0
         self.skip = 0
-        self._plan: tuple[int, MicroBatchPlan] | None = None
+        self._plan: tuple[tuple[int, int], MicroBatchPlan] | None = None
 
-    def plan(self, epoch: int) -> MicroBatchPlan:
-        if self._plan is None or self._plan[0] != epoch:
-            self._plan = (epoch, plan_epoch(self.documents.lengths, epoch=epoch, **self.plan_kwargs))
+    def plan(self, epoch: int, start: int = 0) -> MicroBatchPlan:
+        if self._plan is None or self._plan[0] != (epoch, start):
+            plan = plan_epoch(self.documents.lengths, epoch=epoch, start=start, **self.plan_kwargs)
+            self._plan = ((epoch, start), plan)
         return self._plan[1]
 
     def identity(self) -> dict[str, Any]:
-        """What a saved position is only meaningful for: the plan's inputs except the epoch and the rank
-        (Lightning saves rank 0's state and every rank resumes from it)."""
-        identity = {key: value for key, value in self.plan_kwargs.items() if key != "rank"}
+        """What a saved position is only meaningful for: the plan's inputs except the epoch, the rank and
+        the world size (the consumed units mean the same on any)."""
+        identity = {k: v for k, v in self.plan_kwargs.items() if k not in ("rank", "world_size")}
         return {**identity, "documents": len(self.documents), "tokens": self.documents.num_tokens}
 
+    def consumed_after(self, position: int) -> int:
+        """Units of the current epoch consumed by all ranks once this rank has run ``position`` micro-batches."""
+        units_after = self.plan(self.epoch, self.start).units_after
+        return int(units_after[min(max(position - self.skip, 0), len(units_after) - 1)])
+
     def __len__(self) -> int:
-        return len(self.plan(self.epoch))
+        return self.skip + len(self.plan(self.epoch, self.start))
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        placement = place(self.documents, self.plan(self.epoch), index)
+        placement = place(self.documents, self.plan(self.epoch, self.start), index - self.skip)
         batch = collate_placed(self.documents, placement, self.pad_token_id)
         if self.features is not None:
             batch.update(self.features.gather(self.documents, placement))
@@ -118,29 +130,66 @@ class LoaderState:
         self.identity: dict[str, Any] | None = None
         self._next_epoch = 0
         self._pending: dict[str, Any] | None = None
+        self._consumed_after: Callable[[int], int] = lambda position: 0
 
-    def begin(self, identity: dict[str, Any]) -> tuple[int, int]:
-        """Start an iteration: return ``(epoch, micro-batches to skip)``."""
-        trainer = self._fitting_trainer()
+    def begin(self, dataset: PackedEpochDataset) -> None:
+        """Start an iteration over ``dataset``: set its epoch, and for a resumed epoch the units already
+        consumed and the micro-batches already run."""
         pending, self._pending = self._pending, None
+        epoch, skip = self.prepare(dataset, pending)
+        self.epoch, self.position, self.identity, self._next_epoch = (
+            epoch,
+            skip,
+            dataset.identity(),
+            epoch + 1,
+        )
+        self._consumed_after = dataset.consumed_after
+
+    def prepare(self, dataset: PackedEpochDataset, pending: dict[str, Any] | None = None) -> tuple[int, int]:
+        """Set ``dataset`` to the epoch the next iteration runs (so that its length is that epoch's before
+        the iteration starts) and return ``(epoch, micro-batches already run)``; changes no state."""
+        epoch, skip, consumed = self._resume_point(
+            dataset.identity(),
+            dataset.plan_kwargs["world_size"],
+            self._pending if pending is None else pending,
+        )
+        if consumed is None:
+            # A position saved before consumed units were recorded: meaningful at its own world size only.
+            dataset.start, dataset.skip = 0, 0
+            consumed = dataset.plan(epoch).units_after[skip] if skip else 0
+        dataset.epoch, dataset.start, dataset.skip = epoch, int(consumed), skip
+        return epoch, skip
+
+    def _resume_point(
+        self, identity: dict[str, Any], world_size: int, pending: dict[str, Any] | None
+    ) -> tuple[int, int, int | None]:
+        """``(epoch, micro-batches already run, units already consumed or None if not recorded)``."""
+        trainer = self._fitting_trainer()
         if trainer is not None:
             epoch = int(trainer.current_epoch)
         elif pending is not None:
             epoch = int(pending["epoch"])
         else:
             epoch = self._next_epoch
-        skip = 0
+        skip, consumed = 0, 0
         if pending is not None and int(pending["epoch"]) == epoch and int(pending["position"]) > 0:
-            if pending.get("identity") != identity:
+            saved = dict(pending.get("identity") or {})
+            saved_world_size = saved.pop("world_size", None)
+            if saved != identity:
                 raise ValueError(
                     f"cannot resume the train loader mid-epoch {epoch} at micro-batch {pending['position']}: the "
-                    f"checkpoint's packing setup {pending.get('identity')} differs from the current {identity}; "
-                    "resume with the same data, packing, batch_size, max_tokens, seed and world size, or from an "
-                    "end-of-epoch checkpoint"
+                    f"checkpoint's packing setup {saved} differs from the current {identity}; resume with the "
+                    "same data, packing, batch_size, max_tokens and seed, or from an end-of-epoch checkpoint"
                 )
             skip = int(pending["position"])
-        self.epoch, self.position, self.identity, self._next_epoch = epoch, skip, identity, epoch + 1
-        return epoch, skip
+            consumed = pending.get("consumed")
+            if consumed is None and saved_world_size not in (None, world_size):
+                raise ValueError(
+                    f"cannot resume the train loader mid-epoch {epoch} on {world_size} ranks: the checkpoint was "
+                    f"written on {saved_world_size} by a release that did not record the documents consumed; "
+                    f"resume on {saved_world_size} ranks, or from an end-of-epoch checkpoint"
+                )
+        return epoch, skip, consumed
 
     def state_dict(self) -> dict[str, Any]:
         epoch, position = self.epoch, self.position
@@ -152,7 +201,8 @@ class LoaderState:
             loop = trainer.fit_loop
             epoch = max(int(loop.epoch_progress.current.started) - 1, 0)
             position = int(loop.epoch_loop.batch_progress.current.processed)
-        return {"epoch": epoch, "position": position, "identity": self.identity}
+        consumed = self._consumed_after(position) if epoch == self.epoch else 0
+        return {"epoch": epoch, "position": position, "consumed": consumed, "identity": self.identity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"epoch", "position"} - set(state)
@@ -179,8 +229,9 @@ class ResumableLoader(DataLoader):
     """
 
     def __init__(self, dataset: PackedEpochDataset, state: LoaderState, num_workers: int = 0) -> None:
-        # So that len() (Lightning reads it before the first iteration) describes the epoch about to run.
-        dataset.epoch = state.epoch
+        # So that len() (Lightning reads it before the first iteration) describes the epoch about to run,
+        # a resumed one included.
+        state.prepare(dataset)
         super().__init__(
             dataset,
             batch_size=None,
@@ -191,8 +242,7 @@ class ResumableLoader(DataLoader):
         self.state = state
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        dataset: PackedEpochDataset = self.dataset
-        dataset.epoch, dataset.skip = self.state.begin(dataset.identity())
+        self.state.begin(self.dataset)
         return self._count(super().__iter__())
 
     def _count(self, batches: Iterator[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:

@@ -116,13 +116,16 @@ class MicroBatchPlan:
     """One rank's micro-batches for one epoch, as flat arrays.
 
     Row ``r`` holds documents ``docs[row_bounds[r]:row_bounds[r + 1]]`` back to back; micro-batch ``i``
-    holds rows ``batch_bounds[i]:batch_bounds[i + 1]``, each ``widths[i]`` tokens wide.
+    holds rows ``batch_bounds[i]:batch_bounds[i + 1]``, each ``widths[i]`` tokens wide. ``units_after[i]``
+    is how many units (rows or documents) of the epoch all ranks together have consumed once every rank
+    has run its first ``i`` micro-batches: a position that means the same for any world size.
     """
 
     docs: np.ndarray
     row_bounds: np.ndarray
     batch_bounds: np.ndarray
     widths: np.ndarray
+    units_after: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.widths.shape[0])
@@ -133,7 +136,9 @@ class MicroBatchPlan:
         return [self.docs[self.row_bounds[r] : self.row_bounds[r + 1]] for r in rows]
 
     @classmethod
-    def from_batches(cls, batches: list[list[np.ndarray]], widths: list[int]) -> MicroBatchPlan:
+    def from_batches(
+        cls, batches: list[list[np.ndarray]], widths: list[int], units_after: np.ndarray | None = None
+    ) -> MicroBatchPlan:
         rows = [row for batch in batches for row in batch]
         row_sizes = np.array([len(row) for row in rows], dtype=np.int64)
         batch_sizes = np.array([len(batch) for batch in batches], dtype=np.int64)
@@ -143,6 +148,7 @@ class MicroBatchPlan:
             row_bounds=np.concatenate([[0], np.cumsum(row_sizes)]),
             batch_bounds=np.concatenate([[0], np.cumsum(batch_sizes)]),
             widths=np.asarray(widths, dtype=np.int64),
+            units_after=units_after,
         )
 
 
@@ -158,11 +164,16 @@ def plan_epoch(
     shuffle_buffer: int = 10_000,
     world_size: int = 1,
     rank: int = 0,
+    start: int = 0,
 ) -> MicroBatchPlan:
     """``rank``'s micro-batches of ``epoch``: a pure function of the lengths and these arguments.
 
     Every rank computes the same global plan and keeps its share, so ranks never overlap and together
-    cover every document exactly once. ``lengths`` must already respect ``max_tokens``.
+    cover every document exactly once. ``lengths`` must already respect ``max_tokens``. The epoch's units
+    (rows or documents) are ordered independently of the world size; ``start`` deals only the units after
+    the first ``start`` (those an interrupted run already consumed, on whatever world size), so a resumed
+    epoch uses each of its documents exactly once. At the world size that consumed them, a ``start`` that
+    ends a step gives exactly the rest of the uninterrupted plan.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
@@ -187,6 +198,11 @@ def plan_epoch(
     else:
         raise ValueError(f"mode={mode!r} is not one of {PACKING_MODES}")
 
+    if not 0 <= start <= len(units):
+        raise ValueError(f"start={start} is outside the epoch's {len(units)} packed rows/documents")
+    if start == len(units):  # the epoch was consumed to its end
+        return MicroBatchPlan.from_batches([], [], np.array([start], dtype=np.int64))
+    units = units[start:]
     sizes = deal_micro_batches(len(units), batch_size, world_size)
     bounds = np.concatenate([[0], np.cumsum(sizes.ravel())])
     batches: list[list[np.ndarray]] = []
@@ -208,7 +224,8 @@ def plan_epoch(
             else:
                 batches.append([docs[i : i + 1] for i in range(len(docs))])
                 widths.append(int(lengths[docs].max()))
-    return MicroBatchPlan.from_batches(batches, widths)
+    units_after = start + np.concatenate([[0], np.cumsum(sizes.sum(axis=1))])
+    return MicroBatchPlan.from_batches(batches, widths, units_after)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
 from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the module name it installs as (pyproject's package-dir).
@@ -33,6 +34,7 @@ def lint_imports(site: Path, cwd: Path) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
+        timeout=HANG_GUARD_S,
     )
 
 
@@ -41,8 +43,14 @@ def installed(tmp_path_factory) -> Path:
     """The project installed without dependencies into a scratch directory (what a wheel holds), with the
     layer contracts checked there by CI's own script."""
     site = tmp_path_factory.mktemp("install") / "site"
+    # CI's script with this test's interpreter, not whichever python is first on PATH (a venv run as
+    # VENV/bin/python -m pytest is not activated).
     lint = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "lint-imports"), str(site)], capture_output=True, text=True
+        ["bash", str(ROOT / ".ci" / "lint-imports"), str(site)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert lint.returncode == 0 and "0 broken" in lint.stdout, lint.stdout + lint.stderr
     return site

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 
@@ -26,7 +28,9 @@ SCRIPTS = ROOT / "tests" / "scripts"
 @functools.cache
 def vllm_python() -> Path:
     """``$LIGHTNING_DRAFTS_VLLM_PYTHON``, checked, else ``.venv-vllm`` built by ``.ci/vllm-env``."""
-    built = subprocess.run(["bash", str(ROOT / ".ci" / "vllm-env")], capture_output=True, text=True)
+    built = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "vllm-env")], capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     if built.returncode != 0:
         pytest.fail(
             f".ci/vllm-env could not provide a vLLM environment:\n{built.stderr[-4000:]}", pytrace=False
@@ -34,7 +38,7 @@ def vllm_python() -> Path:
     return Path(built.stdout.strip().splitlines()[-1])
 
 
-def run_vllm_script(script: str, request: Any, workdir: Path, timeout: int = 900) -> Any:
+def run_vllm_script(script: str, request: Any, workdir: Path) -> Any:
     """``tests/scripts/<script> REQUEST RESULT`` under the vLLM python; the JSON result it writes."""
     request_path, result_path = workdir / f"{script}.request.json", workdir / f"{script}.result.json"
     request_path.write_text(json.dumps(request))
@@ -46,7 +50,7 @@ def run_vllm_script(script: str, request: Any, workdir: Path, timeout: int = 900
         text=True,
         env=env,
         cwd=workdir,
-        timeout=timeout,
+        timeout=HANG_GUARD_S,
     )
     assert run.returncode == 0, f"{script} failed under vLLM:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     return json.loads(result_path.read_text())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -13,9 +14,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_drafts.callbacks.data_match import DataMatchCallback
+from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
+from lightning_drafts.cli.resume import resume_into_same_run
 from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
 from lightning_drafts.training.module import DraftModule
 
 
@@ -27,7 +31,25 @@ class DraftCLI(LightningCLI):
         )
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI builds the model from the checkpoint's hyperparameters, its class included: refuse a
+        # damaged checkpoint before reading them, and one of another family than the config names.
+        section = self.config.get(self.config.get("subcommand") or "", None) or {}
+        ckpt_path = section.get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).is_file():
+            checkpoint = _load(ckpt_path)
+            check_digests(checkpoint, where=str(ckpt_path))
+            model = section.get("model")
+            class_path = getattr(model, "class_path", None)
+            if class_path:
+                check_family(checkpoint, _class_path_of(class_path), where=str(ckpt_path))
+        super()._parse_ckpt_path()
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if self.subcommand == "validate":
+            # Validation trains nothing, so it writes nothing either (LightningCLI would save config.yaml
+            # into the log directory, which is the current directory when the logger is off).
+            self.save_config_callback = None
         if "callbacks" in kwargs:
             return super().instantiate_trainer(**kwargs)
         section = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -46,10 +68,15 @@ class DraftCLI(LightningCLI):
         # DataMatchCallback, e.g. with num_documents: 0, wins).
         if self.subcommand == "fit" and not any(isinstance(c, DataMatchCallback) for c in callbacks):
             callbacks.append(DataMatchCallback())
+        # SIGTERM / Ctrl-C save a resumable last.ckpt and exit non-zero (a config's own instance wins).
+        if self.subcommand == "fit" and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
+            callbacks.append(PreemptionCheckpoint())
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit":
+            resume_into_same_run(config)
         # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
         # dropped without a word and the module's own AdamW + warmup-cosine would run.
         if config.get("lr_scheduler") and not config.get("optimizer"):
@@ -82,17 +109,29 @@ def _point_checkpoint_callbacks_at(ckpt_path: str, callbacks: list[Any]) -> None
     each then warns that the new run's directory differs from the one in its state. Validation writes no
     checkpoint, so the saved directory is the honest one; a callback given its own ``dirpath`` keeps it.
     """
-    import torch
-
     path = Path(ckpt_path)
     if not path.is_file():
         return  # Lightning names a missing or misspelled checkpoint itself
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("callbacks") or {}
+    saved = _load(path).get("callbacks") or {}
     for callback in callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
             dirpath = (saved.get(callback.state_key) or {}).get("dirpath")
             if dirpath is not None:
                 callback.dirpath = dirpath
+
+
+def _load(path: str | Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def _class_path_of(class_path: str) -> str:
+    """The ``module.Class`` where a config's class_path is defined (it may name a re-export such as
+    ``lightning_drafts.Eagle3Module``): what checkpoints record."""
+    module_name, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def build_from_config(args: list[str]) -> tuple[DraftModule, Any]:

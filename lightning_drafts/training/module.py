@@ -15,24 +15,21 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_drafts.core.batch import PackedBatch, validate_batch
 from lightning_drafts.core.checks import check_number
-from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.core.schedule import warmup_cosine
 from lightning_drafts.core.target_features import FeatureRequest
+from lightning_drafts.training.checkpoint_integrity import check_digests, check_family, record_digests
 from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
 from lightning_drafts.training.remote_target import RemoteTarget
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
 from lightning_drafts.training.unit_ledger import Unit
 
 TARGET_PREFIX = "target."
-# The digest of a checkpoint's draft tensors, checked on every load (resume, validate, export).
-DIGEST_KEY = "draft_digest"
 
 
 class DraftModule(L.LightningModule):
@@ -518,15 +515,15 @@ class DraftModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # `lightning-drafts export` rebuilds the right family from the checkpoint alone.
-        checkpoint["draft_class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        checkpoint["draft_class"] = self.draft_class_path()
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith(TARGET_PREFIX)]:
             del state[key]
-        # Sharded (distributed) checkpoints hold DTensors and are checked by torch.distributed itself.
-        if state and not any(isinstance(v, DTensor) for v in state.values()):
-            checkpoint[DIGEST_KEY] = state_digest(state)
+        # Lightning calls this hook last, so the digests cover the whole checkpoint.
+        record_digests(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_family(checkpoint, self.draft_class_path())
         if "state_dict" not in checkpoint:
             return  # ModelParallelStrategy has already loaded (and removed) the module state
         expected = {k for k in self.state_dict() if not k.startswith(TARGET_PREFIX)}
@@ -536,13 +533,13 @@ class DraftModule(L.LightningModule):
                 f"the checkpoint lacks draft weights {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                 "it was written by a different draft configuration"
             )
-        recorded = checkpoint.get(DIGEST_KEY)
-        if recorded is not None and state_digest(checkpoint["state_dict"]) != recorded:
-            raise ValueError(
-                "the checkpoint is damaged: its draft tensors no longer match the digest written with them "
-                "(a truncated copy, a disk error, or an edit); use another checkpoint (e.g. last.ckpt or an "
-                "earlier one)"
-            )
+        # load_from_checkpoint merges its keyword arguments into the hyperparameters before this hook; the
+        # CLI and export check those against the file itself.
+        check_digests(checkpoint, skip=("hyper_parameters",))
+
+    def draft_class_path(self) -> str:
+        """``module.Class`` of this draft: what its checkpoints record as their family."""
+        return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

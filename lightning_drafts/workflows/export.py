@@ -11,6 +11,7 @@ import yaml
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.export_files import ExportSummary, check_destination, staged_export
 from lightning_drafts.serving.model_card import TrainingFacts
+from lightning_drafts.training.checkpoint_integrity import check_digests
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import FrozenTarget
 
@@ -28,6 +29,7 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None
         ) from error
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{checkpoint_path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint")
+    check_digests(checkpoint, where=str(checkpoint_path))
     class_path = checkpoint.get("draft_class")
     if not class_path:
         raise ValueError(

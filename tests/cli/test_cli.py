@@ -91,7 +91,7 @@ def test_validate_subcommand_and_an_optimizer_chosen_in_yaml(tmp_path):
     (optimizer,) = cli.trainer.optimizers
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.9
 
-    (checkpoint,) = Path(cli.trainer.logger.log_dir, "checkpoints").glob("*.ckpt")
+    (checkpoint,) = Path(cli.trainer.logger.log_dir, "checkpoints").glob("best*.ckpt")
     validated = run_cli(["validate", *args[1:], f"--ckpt_path={checkpoint}"])
     assert validated.trainer.state.fn == "validate"
     assert float(validated.trainer.callback_metrics["val/accept_len"]) >= 1.0
@@ -129,3 +129,18 @@ def test_a_mask_token_the_data_uses_is_refused_at_fit_start(mask_token_id, match
     dflash = ROOT / "configs" / "quickstart" / "dflash.yaml"
     with pytest.raises(ValueError, match=match):
         run_cli([*short_fit(dflash, tmp_path), f"--model.init_args.mask_token_id={mask_token_id}"])
+
+
+@pytest.mark.parametrize("config", QUICKSTARTS + RECIPES, ids=lambda p: p.stem)
+def test_every_shipped_config_keeps_last_ckpt_after_every_validation(config):
+    callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+    keeps_last = [
+        c.get("init_args", {})
+        for c in callbacks
+        if c["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"
+        and c.get("init_args", {}).get("filename") == "last"
+    ]
+    # Unmonitored (so written at every validation, not only on an improvement) and one file, not last-v1.
+    assert keeps_last and all(
+        a.get("monitor") is None and a.get("enable_version_counter") is False for a in keeps_last
+    )

@@ -10,13 +10,20 @@ from pathlib import Path
 
 import torch
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*code_or_args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, *code_or_args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *code_or_args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
 
 

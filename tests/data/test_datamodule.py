@@ -348,7 +348,9 @@ def test_workers_yield_the_same_batches_in_order(make):
     module = make(seed=2, num_workers=2)
     assert [b["input_ids"].tolist() for b in epoch(module)] == [b["input_ids"].tolist() for b in single]
     resumed = make(seed=2, num_workers=2)
-    resumed.load_state_dict({**module.state_dict(), "epoch": 0, "position": 3})
+    # A position alone (as older releases saved it) resumes at the world size it was saved on.
+    state = {key: value for key, value in module.state_dict().items() if key != "consumed"}
+    resumed.load_state_dict({**state, "epoch": 0, "position": 3})
     assert [b["input_ids"].tolist() for b in epoch(resumed)] == [b["input_ids"].tolist() for b in single[3:]]
 
 

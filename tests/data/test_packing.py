@@ -221,3 +221,26 @@ def test_resolve_packing():
     assert resolve_packing("microbatch") == "microbatch"
     with pytest.raises(ValueError, match="packing='greedy'"):
         resolve_packing("greedy")
+
+
+@pytest.mark.parametrize("mode", ["buffer", "microbatch", "padded"])
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3), (3, 3)])
+def test_an_epoch_resumed_on_another_world_size_uses_every_document_once(mode, before, after):
+    lengths = synthetic_documents(97, seed=5).lengths
+    kwargs = dict(mode=mode, max_tokens=512, batch_size=2, seed=3, epoch=1)
+    plans = [plan_epoch(lengths, world_size=before, rank=r, **kwargs) for r in range(before)]
+    steps = 4  # each rank ran its first 4 micro-batches, then the run stopped
+    ran = [d for plan in plans for i in range(steps) for row in plan.batch_documents(i) for d in row.tolist()]
+    consumed = int(plans[0].units_after[steps])
+    assert all(int(plan.units_after[steps]) == consumed for plan in plans)
+    rest = [plan_epoch(lengths, world_size=after, rank=r, start=consumed, **kwargs) for r in range(after)]
+    resumed = [
+        d for plan in rest for i in range(len(plan)) for row in plan.batch_documents(i) for d in row.tolist()
+    ]
+    assert len({len(plan) for plan in rest}) == 1  # every rank runs as many micro-batches (no hang)
+    assert sorted(ran + resumed) == list(range(97))
+    if before == after:
+        for plan, resumed_plan in zip(plans, rest, strict=True):
+            for i in range(len(resumed_plan)):
+                got, want = resumed_plan.batch_documents(i), plan.batch_documents(steps + i)
+                assert [r.tolist() for r in got] == [r.tolist() for r in want]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = """
 import sys
@@ -26,7 +28,7 @@ def setup_output(tmp_path: Path, summary: str) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr

@@ -13,11 +13,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIP = 0.05  # tests/scripts/distributed_grads.py's gradient_clip_val
 
 
-def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scripts" / script), *args],
@@ -25,7 +27,7 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -155,9 +157,9 @@ def test_every_fsdp2_recipe_fits_on_cpu_in_bf16(tmp_path):
     the target, data, accelerator and run length shrunk, through `lightning-drafts fit` on 2 processes;
     the checkpoint holds the float32 master weights bf16-mixed keeps."""
     assert len(FSDP2_RECIPES) == 5
-    run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES), timeout=600)
+    run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES))
     for recipe in FSDP2_RECIPES:
-        (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/*.ckpt")
+        (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/best*.ckpt")
         checkpoint = torch.load(best, weights_only=False)
         assert checkpoint["global_step"] == 2, recipe.stem
         state = checkpoint["state_dict"]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "objective_grads.py"
 DRAFTS = ("dflash-dpace", "dflash2-lk-lambda", "eagle3-lambda")
@@ -19,7 +21,12 @@ DRAFTS = ("dflash-dpace", "dflash2-lk-lambda", "eagle3-lambda")
 def run_script(*args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

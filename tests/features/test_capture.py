@@ -21,6 +21,7 @@ from tests.builders import TINY_TARGETS
 from tests.families.family_case import ROOT
 from tests.families.test_conformance import run
 from tests.features.feature_cases import capture, corpus, first_batch, without_features
+from tests.hang_guard import HANG_GUARD_S
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,7 +192,9 @@ def test_a_two_process_torchrun_capture_equals_the_single_process_capture(tmp_pa
     runs = {}
     for name, launcher in (("one", [sys.executable, "-m"]), ("two", torchrun)):
         command = [*launcher, "lightning_drafts", *options, f"--output={tmp_path / name}"]
-        runs[name] = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        runs[name] = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+        )
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     one, two = shard_tensors(tmp_path / "one"), shard_tensors(tmp_path / "two")
     assert one.keys() == two.keys() and len(one) >= 4

@@ -179,9 +179,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "checkpoint-digest-depends-on-order",
         "lightning_drafts/core/digest.py",
-        "for name in sorted(state):",
-        "for name in state:",
-        ("tests/serving/test_integrity.py::test_a_checkpoint_records_the_digest_of_its_draft_tensors",),
+        "for key in sorted(value, key=repr):",
+        "for key in value:",
+        ("tests/serving/test_integrity.py::test_a_checkpoint_records_a_digest_of_every_section",),
         "a checkpoint whose state dict another writer ordered differently is refused as damaged",
     ),
     # --- export, reload and served decoding, per family -----------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_drafts.cli.main import main
-from lightning_drafts.core.digest import state_digest
+from lightning_drafts.core.digest import value_digest
 from lightning_drafts.serving.export_files import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
@@ -62,33 +62,96 @@ def zero_tensor_bytes(path: Path, count: int = 4096) -> None:
         handle.write(b"\0" * min(count, record.file_size // 2))
 
 
-def test_a_checkpoint_records_the_digest_of_its_draft_tensors(checkpoint):
+def damage_tensor(path: Path, tensor: torch.Tensor, count: int = 4096) -> None:
+    """Flip ``count`` bytes (all, if fewer) in the middle of the storage record holding exactly
+    ``tensor``'s bytes in a torch zip checkpoint, as a disk error would: the file still loads."""
+    wanted = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    with zipfile.ZipFile(path) as archive:
+        (record,) = [i for i in archive.infolist() if "/data/" in i.filename and archive.read(i) == wanted]
+    with open(path, "r+b") as handle:
+        start = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra)
+        length = min(count, record.file_size)
+        handle.seek(start + (record.file_size - length) // 2)
+        chunk = handle.read(length)
+        handle.seek(start + (record.file_size - length) // 2)
+        handle.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def test_a_checkpoint_records_a_digest_of_every_section(checkpoint, tmp_path):
     saved = torch.load(checkpoint, weights_only=False)
-    assert len(saved["draft_digest"]) == 64
-    # An intact checkpoint loads, also with its state dict in the reverse order (another writer's order):
-    # the digest does not depend on it, and is still one of the tensors (a renamed one is refused).
+    sections = {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "hyper_parameters"}
+    assert sections <= set(saved["checkpoint_digest"])
+    # An intact checkpoint loads with every tensor as saved, and resumes; the digests do not depend on the
+    # order of the state dict (another writer's order), but a renamed tensor changes them.
     state = saved["state_dict"]
     assert len(state) > 1
-    saved["state_dict"] = dict(reversed(list(state.items())))
-    assert list(saved["state_dict"]) != list(state)
-    torch.save(saved, checkpoint)
-    assert state_digest(saved["state_dict"]) == saved["draft_digest"]
     loaded = NextTokenProbe.load_from_checkpoint(checkpoint, target=TINY_TARGETS["llama"])
     for name, tensor in state.items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    reordered = dict(reversed(list(state.items())))
+    assert list(reordered) != list(state)
+    assert value_digest(reordered) == saved["checkpoint_digest"]["state_dict"]
     renamed = {(name + "_renamed" if i == 0 else name): t for i, (name, t) in enumerate(state.items())}
-    assert state_digest(renamed) != saved["draft_digest"]
+    assert value_digest(renamed) != saved["checkpoint_digest"]["state_dict"]
+    saved["state_dict"] = reordered
+    torch.save(saved, tmp_path / "reordered.ckpt")
+    trainer(tmp_path, 3).fit(
+        NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=tmp_path / "reordered.ckpt"
+    )
 
 
 def test_a_damaged_checkpoint_is_refused_on_load_resume_and_validate(checkpoint, tmp_path):
     zero_tensor_bytes(checkpoint)
     assert torch.load(checkpoint, weights_only=False)["state_dict"]  # torch itself notices nothing
-    with pytest.raises(ValueError, match="the checkpoint is damaged"):
+    damaged = "draft.ckpt is damaged: state_dict|the checkpoint is damaged: state_dict"
+    with pytest.raises(ValueError, match=damaged):
         NextTokenProbe.load_from_checkpoint(checkpoint, target=TINY_TARGETS["llama"])
-    with pytest.raises(ValueError, match="the checkpoint is damaged"):
+    with pytest.raises(ValueError, match=damaged):
         trainer(tmp_path, 4).fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=checkpoint)
-    with pytest.raises(ValueError, match="the checkpoint is damaged"):
+    with pytest.raises(ValueError, match=damaged):
         trainer(tmp_path, 4).validate(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=checkpoint)
+
+
+def test_flipped_bytes_in_the_adam_state_are_refused_on_resume_naming_it(checkpoint, tmp_path):
+    saved = torch.load(checkpoint, weights_only=False)
+    moments = [s["exp_avg_sq"] for s in saved["optimizer_states"][0]["state"].values()]
+    damage_tensor(checkpoint, max(moments, key=torch.Tensor.numel))
+    # The weights are intact: only the optimizer state is named.
+    with pytest.raises(ValueError, match=r"damaged: optimizer_states \(the optimizer state") as refused:
+        trainer(tmp_path, 4).fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=checkpoint)
+    assert "state_dict" not in str(refused.value)
+
+
+def test_a_checkpoint_of_another_family_is_refused_naming_both(tmp_path):
+    # The config's family differs from the checkpoint's: refused before LightningCLI builds the
+    # checkpoint's family from its hyperparameters instead.
+    dflash = ROOT / "configs" / "quickstart" / "dflash.yaml"
+    eagle3 = ROOT / "tests" / "fixtures" / "layout_d429c0e" / "eagle3.ckpt"
+    with pytest.raises(ValueError, match=r"eagle3.ckpt holds a Eagle3Module draft .* model is DFlashModule"):
+        main(["validate", f"--config={dflash}", f"--ckpt_path={eagle3}", "--trainer.logger=false"])
+    # A module asked to restore another family's checkpoint (fit --ckpt_path last finds one) refuses too.
+    with pytest.raises(ValueError, match=r"holds a DFlashModule draft .* model is NextTokenProbe"):
+        trainer(tmp_path, 1).fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=OLD_CHECKPOINT)
+
+
+def test_validate_with_the_logger_off_writes_nothing_into_the_current_directory(tmp_path, monkeypatch):
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    dflash = ROOT / "configs" / "quickstart" / "dflash.yaml"
+    main(
+        [
+            "validate",
+            f"--config={dflash}",
+            "--trainer.logger=false",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            "--data.init_args.max_documents=60",
+            "--data.init_args.val_fraction=0.1",
+            f"--data.init_args.cache_dir={cache}",
+        ]
+    )
+    assert sorted(p.name for p in work.iterdir()) == []
 
 
 def test_a_damaged_export_checkpoint_leaves_nothing_behind(tmp_path):
@@ -102,7 +165,7 @@ def test_a_damaged_export_checkpoint_leaves_nothing_behind(tmp_path):
     torch.save(saved, path)
     export_checkpoint(path, tmp_path / "intact")
     zero_tensor_bytes(path)
-    with pytest.raises(ValueError, match="the checkpoint is damaged"):
+    with pytest.raises(ValueError, match="dflash.ckpt is damaged: state_dict"):
         export_checkpoint(path, tmp_path / "damaged")
     assert not (tmp_path / "damaged").exists()
 

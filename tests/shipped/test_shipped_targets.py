@@ -24,6 +24,7 @@ from lightning_drafts.shipped import (
     shipped_target_path,
 )
 from lightning_drafts.training.target import build_causal_lm
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 # vLLM 0.32's CPU attention runs these head sizes; its CPU MLA kernel only a 512 + 64 latent.
@@ -105,6 +106,7 @@ def test_the_remake_script_rebuilds_the_shipped_tokenizer(tmp_path: Path) -> Non
         + ["--steps", "2", "--prompts", "1", "--output", str(tmp_path)],
         capture_output=True,
         text=True,
+        timeout=HANG_GUARD_S,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     remade, shipped = tmp_path / "tiny-llama", shipped_target_path("tiny-llama")
