@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "gpu_paths.py"
 CPU_CHECKS = {
@@ -44,7 +46,7 @@ def run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=HANG_GUARD_S,
     )
     return proc, json.loads(out.read_text())
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.hang_guard import HANG_GUARD_S
 from tests.reference.nemo import ENV_VAR, ROOT, load, reference_root
 
 PROBE = """
@@ -24,7 +25,7 @@ print(hasattr(package, "Eagle3TrainerModule"), any(m.split(".")[0] in ("vllm", "
 
 def run_probe(env: dict[str, str], code: str = PROBE) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_GUARD_S
     )
 
 
@@ -58,6 +59,10 @@ def test_missing_wheel_fails_naming_the_command(tmp_path):
         -2000:
     ]
     script = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "reference-env")], capture_output=True, text=True, env=env, timeout=600
+        ["bash", str(ROOT / ".ci" / "reference-env")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_GUARD_S,
     )
     assert script.returncode == 1 and "FAILED" in script.stderr and str(tmp_path) in script.stderr

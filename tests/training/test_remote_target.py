@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_drafts.training.unit_ledger import Unit, UnitLedger
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "remote_target_checks.py"
@@ -23,7 +24,7 @@ CONFIGS = [
 ]
 
 
-def run_checks(*args: str, timeout: int) -> str:
+def run_checks(*args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
@@ -31,16 +32,15 @@ def run_checks(*args: str, timeout: int) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=HANG_GUARD_S,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     return done.stdout
 
 
 def test_two_workers_train_every_family_as_the_co_located_target_and_lose_or_duplicate_nothing():
-    # One Ray start for every check (about 4 minutes on the shared 2-core machine); the timeout only
-    # guards against a hang.
-    out = run_checks(*CONFIGS, timeout=3000)
+    # One Ray start for every check.
+    out = run_checks(*CONFIGS)
     for config in CONFIGS:
         assert f"OK exact {config}" in out, out
     for check in (
@@ -54,7 +54,7 @@ def test_two_workers_train_every_family_as_the_co_located_target_and_lose_or_dup
 
 
 def test_two_trainer_ranks_each_train_on_exactly_their_own_units(tmp_path):
-    # About 2 minutes on the shared 2-core machine (two 2-process gloo runs); the timeout guards a hang.
+    # Two 2-process gloo runs on one Ray cluster.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [
@@ -67,7 +67,7 @@ def test_two_trainer_ranks_each_train_on_exactly_their_own_units(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=2400,
+        timeout=HANG_GUARD_S,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     assert "OK two ranks each trained on their own units exactly" in done.stdout, done.stdout
@@ -78,7 +78,7 @@ def test_importing_the_library_does_not_import_ray():
         "import sys, lightning_drafts, lightning_drafts.training.module, lightning_drafts.cli.fit; "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=HANG_GUARD_S)
 
 
 def unit(step: int, split: str = "train") -> Unit:
