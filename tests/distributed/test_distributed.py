@@ -80,7 +80,7 @@ def test_fsdp2_and_fsdp1_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_
     checkpoint holds no target weight, and a second step resumes from it."""
     for strategy in ("ddp", *SHARDED):
         (tmp_path / strategy).mkdir()
-        run_script("distributed_grads.py", str(tmp_path / strategy), strategy, timeout=900)
+        run_script("distributed_grads.py", str(tmp_path / strategy), strategy)
     for draft, sharded in [(draft, sharded) for sharded in SHARDED for draft in DRAFTS]:
         check_against_ddp(tmp_path, draft, sharded)
 
