@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
+from lightning_drafts.cli.command_parser import CommandParser
 
 
 def export_main(args: list[str]) -> None:
     from lightning_drafts.workflows.export import export_checkpoint
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-drafts export",
         description="Write a trained draft in the layout serving engines load.",
     )

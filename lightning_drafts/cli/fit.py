@@ -18,6 +18,13 @@ from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.module import DraftModule
 
+# A bad option raises (an ArgumentError naming the option) instead of printing the whole usage and
+# exiting: the command reports it in one message (cli.user_errors), a notebook gets an exception.
+RAISE_PARSE_ERRORS = {
+    "exit_on_error": False,
+    **{name: {"exit_on_error": False} for name in ("fit", "validate")},
+}
+
 
 class DraftCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -72,6 +79,7 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs=RAISE_PARSE_ERRORS,
     )
 
 
@@ -110,5 +118,6 @@ def build_from_config(args: list[str]) -> tuple[DraftModule, Any]:
             args=args,
             run=False,
             save_config_callback=None,
+            parser_kwargs=RAISE_PARSE_ERRORS,
         )
     return cli.model, cli.datamodule

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_drafts.core.output_lock import exclusive_output
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.export_files import ExportSummary, check_destination, staged_export
 from lightning_drafts.training.module import DraftModule
@@ -51,14 +52,16 @@ def export_checkpoint(
     (a defect raises ``ValueError`` naming the field). ``layout`` chooses among a family's layouts
     (DSpark: ``specforge`` / ``nemo``); None takes the family's default. A non-empty ``output_dir`` is
     refused unless ``overwrite`` (which replaces only export files there)."""
-    check_destination(output_dir, overwrite)  # before the minutes a large target takes to load
-    module = load_draft_checkpoint(checkpoint_path, target=target)
-    family = REGISTRY.for_module(module)
-    # What serving reads is checked against the target it will serve with, for every family, before it
-    # lands: a refused export leaves output_dir as it was.
-    with staged_export(output_dir, overwrite=overwrite) as staging:
-        family.export(module, staging, layout=layout)
-        family.validate(staging, module.target)
+    # One writer for the whole run, from before the minutes a large target takes to load.
+    with exclusive_output(output_dir):
+        check_destination(output_dir, overwrite)
+        module = load_draft_checkpoint(checkpoint_path, target=target)
+        family = REGISTRY.for_module(module)
+        # What serving reads is checked against the target it will serve with, for every family, before it
+        # lands: a refused export leaves output_dir as it was.
+        with staged_export(output_dir, overwrite=overwrite) as staging:
+            family.export(module, staging, layout=layout)
+            family.validate(staging, module.target)
     return Path(output_dir)
 
 
