@@ -30,6 +30,7 @@ USER_ERRORS = (ValueError, OSError, argparse.ArgumentError)
 _WRAPPING_PACKAGES = ("jsonargparse", "argparse.py")
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+_GIVEN = re.compile(r"Given value: (.*)")
 _TYPE = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 
 Result = TypeVar("Result")
@@ -57,13 +58,22 @@ def report_user_errors(command: str, run: Callable[[], Result], debug: bool) -> 
 
 def describe(error: BaseException) -> str:
     """The message that explains ``error``: the first error of its chain not raised by a parser wrapping
-    another, prefixed by the option (and class) the wrappers name."""
+    another, prefixed by the option the wrappers name (``model.init_args.mask_token_id``, with the class
+    it belongs to) and followed by the value they name when the message does not."""
     chain = list(_chain(error))
     explaining = next((e for e in chain if not _raised_by_wrapper(e)), chain[-1])
     wrappers = " ".join(str(e) for e in chain[: chain.index(explaining)])
     message = re.sub(r"^Expected an? ", "expected ", _TYPE.sub(r"\1", str(explaining).strip()))
-    key, class_path = _PARSER_KEY.search(wrappers), _CLASS_PATH.search(wrappers)
-    where = (key.group(1) if key else "") + (f" ({class_path.group(1)})" if class_path else "")
+    keys = list(dict.fromkeys(_PARSER_KEY.findall(wrappers)))
+    class_path = _CLASS_PATH.search(wrappers)
+    where = ".init_args.".join([keys[0], ".".join(keys[1:])] if len(keys) > 1 and class_path else keys[:1])
+    if class_path:
+        where += f" ({class_path.group(1)})"
+    given = [
+        value for value in _GIVEN.findall(wrappers) if not value.startswith(("Namespace(", "NestedArg("))
+    ]
+    if given and "value" not in message.lower():
+        message += f"; given: {given[0]}"
     return f"{where}: {message}" if where else message
 
 

@@ -61,6 +61,10 @@ def test_debug_or_the_environment_variable_gives_the_traceback(tmp_path, monkeyp
             "model (lightning_drafts.Eagle3Module): Option 'ttt_lenght' is not accepted",
         ),
         ("--trainer.max_steps=abc", "trainer.max_steps: expected int. Got value: abc"),
+        (
+            "--model.init_args.ttt_length=many",
+            "model.init_args.ttt_length (lightning_drafts.Eagle3Module): expected int. Got value: many",
+        ),
         ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
     ],
 )

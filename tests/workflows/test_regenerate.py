@@ -151,18 +151,16 @@ def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_row
         regenerate(
             datamodule, engine(target, datamodule), killed, RegenerateOptions(batch_size=3), resume=True
         )
+    stopped_at = json.loads(metadata_path(killed).read_text())["next_batch"]
     with pytest.warns(UserWarning), caplog.at_level(logging.INFO):
         regenerate(datamodule, engine(target, datamodule), killed, OPTIONS, resume=True, progress=False)
     assert killed.read_text() == whole.read_text()
-    # The resumed run says where it resumed: the two batches written before the kill are kept.
+    # The resumed run says where it resumed: the batches written before the kill are kept.
     batches = -(-len(list(datamodule.conversations())) // OPTIONS.batch_size)
-    assert any(
-        re.fullmatch(
-            rf"resuming {re.escape(str(killed))} at batch 2 of {batches}: \d+ rows were written .*",
-            r.getMessage(),
-        )
-        for r in caplog.records
-    ), [r.getMessage() for r in caplog.records]
+    resumed = (
+        rf"resuming {re.escape(str(killed))} at batch {stopped_at} of {batches}: \d+ rows were written .*"
+    )
+    assert stopped_at > 0 and any(re.fullmatch(resumed, r.getMessage()) for r in caplog.records)
 
     for worker in range(2):
         regenerate(
@@ -345,8 +343,11 @@ def test_the_cli_regenerates_checks_and_refuses_an_existing_output(chats, tmp_pa
     cli_main(["regenerate", *common, f"--output={output}", "--max-new-tokens=8", "--limit=3"])
     assert "wrote" in capsys.readouterr().out
     assert len(output.read_text().splitlines()) == 3
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(SystemExit):
         cli_main(["regenerate", *common, f"--output={output}"])
+    assert "regenerate: error: " in capsys.readouterr().err  # the message alone
+    with pytest.raises(FileExistsError, match="--resume"):
+        cli_main(["regenerate", *common, f"--output={output}", "--debug"])
     cli_main(["regenerate", *common, "--check=4"])
     assert "data match: " in capsys.readouterr().out
 
