@@ -1,8 +1,15 @@
 """Reading local JSON / JSONL chat files row by row, so one bad row costs that row, not the file.
 
 ``datasets``' JSON builder refuses a whole file for one invalid line or one non-UTF-8 byte, without
-naming the line. Here every line is decoded and parsed on its own: a bad one is counted as malformed
-with its file and line (or refused at once in strict mode), and an empty file is an error that says so.
+naming the line; it keeps the last of two equal keys without a word, and it fails on a file that mixes
+string contents with lists of content parts (a bare pyarrow ``ArrowInvalid``). Here every line is
+decoded and parsed on its own: a bad one (invalid JSON, not UTF-8, a key written twice in one object)
+is counted as malformed with its file and line (or refused at once in strict mode), a UTF-8 byte-order
+mark is read as one, and an empty file is an error that says so.
+
+Each kept row is stored normalised (:func:`normalize_conversation`: OpenAI messages with string
+contents), so every row has one shape whatever form its file used; a row that does not normalise keeps
+its place with the reason, which the tokenisation step counts and names by the row's line.
 """
 
 from __future__ import annotations
@@ -17,8 +24,17 @@ from typing import Any
 import datasets
 from datasets.fingerprint import Hasher
 
+from lightning_drafts.datamodules.chat_format import (
+    MALFORMED_FIELD_KEY,
+    MALFORMED_KEY,
+    MalformedRow,
+    normalize_conversation,
+)
+
 # Bump when the parsing below changes what rows a file yields.
-READER_VERSION = 1
+READER_VERSION = 2
+
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
@@ -48,7 +64,7 @@ def read_chat_files(paths: list[Path], strict: bool = False) -> tuple[datasets.D
         before = len(read.rows) + sum(read.malformed.values())
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rb") as handle:
-            data = handle.read()
+            data = handle.read().removeprefix(BOM)
         if path.name.removesuffix(".gz").endswith(".jsonl"):
             _read_lines(path, data, read, strict)
         else:
@@ -63,6 +79,52 @@ def read_chat_files(paths: list[Path], strict: bool = False) -> tuple[datasets.D
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
     fingerprint = Hasher.hash(["chat-files", READER_VERSION, stats])
     return datasets.Dataset.from_list(read.rows), fingerprint, read
+
+
+class _KeysTwice:
+    """``json.loads`` ``object_pairs_hook``: builds objects as ``json`` does (the last value of a key
+    wins) and remembers the keys an object held twice, in parse order."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        built: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in built:
+                self.keys.append(key)
+                built = _Twice(built)
+                built.twice = key
+            built[key] = value
+        return built
+
+
+class _Twice(dict):
+    """An object that held the key ``twice`` more than once."""
+
+    twice: str = ""
+
+
+def _key_twice(node: Any) -> str | None:
+    """The first key written twice in one object anywhere inside ``node``, or None."""
+    if isinstance(node, _Twice):
+        return node.twice
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    for child in children:
+        found = _key_twice(child)
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_keys_twice(key: str, where: str, read: ChatRows, strict: bool) -> None:
+    read.reject(
+        "key written twice",
+        where,
+        f"key {key!r} appears twice in one object; JSON readers keep one of the two values without a word, "
+        "so write it once",
+        strict,
+    )
 
 
 def _read_lines(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
@@ -80,10 +142,14 @@ def _read_lines(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
                 strict,
             )
             continue
+        twice = _KeysTwice()
         try:
-            row = json.loads(text)
+            row = json.loads(text, object_pairs_hook=twice)
         except json.JSONDecodeError as error:
             read.reject("invalid JSON", where, f"invalid JSON ({error.msg} at column {error.colno})", strict)
+            continue
+        if twice.keys:
+            _refuse_keys_twice(twice.keys[0], where, read, strict)
             continue
         _keep(row, where, read, strict)
 
@@ -98,8 +164,9 @@ def _read_array(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
         ) from error
     if not text.strip():
         return
+    twice = _KeysTwice()
     try:
-        rows = json.loads(text)
+        rows = json.loads(text, object_pairs_hook=twice)
     except json.JSONDecodeError as error:
         raise ValueError(
             f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno}); a .json file is one "
@@ -108,6 +175,10 @@ def _read_array(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
     if not isinstance(rows, list):
         raise ValueError(f"{path} holds a JSON {type(rows).__name__}; a .json data file is an array of rows")
     for index, row in enumerate(rows):
+        key = _key_twice(row) if twice.keys else None
+        if key is not None:
+            _refuse_keys_twice(key, f"{path}[{index}]", read, strict)
+            continue
         _keep(row, f"{path}[{index}]", read, strict)
 
 
@@ -125,5 +196,11 @@ def _keep(row: Any, where: str, read: ChatRows, strict: bool) -> None:
             strict,
         )
         return
-    read.rows.append(row)
+    try:
+        # Answers may be empty here: regenerate writes them; training refuses them at tokenisation.
+        kept = {"messages": normalize_conversation(row, require_answers=False), MALFORMED_KEY: ""}
+        kept[MALFORMED_FIELD_KEY] = ""
+    except MalformedRow as malformed:
+        kept = {"messages": None, MALFORMED_KEY: malformed.reason, MALFORMED_FIELD_KEY: malformed.field}
+    read.rows.append(kept)
     read.where.append(where)

@@ -1,8 +1,13 @@
 """Chat rows in, one normalised conversation out: OpenAI ``messages`` or ShareGPT ``conversations``.
 
+A message's content is a string or, in the OpenAI form, a list of parts (``[{"type": "text", "text":
+...}]``), whose text parts are joined with newlines (as vLLM joins them); a part of any other type
+(an image, audio) cannot be trained on by a text draft and makes the row malformed.
+
 A row that cannot become a trainable conversation raises :class:`MalformedRow` with a short reason;
 the tokenisation step catches it, keeps the row as an empty document and counts the reason, so a bad
-row never crashes a run and never disappears silently.
+row never crashes a run and never disappears silently. A row a reader already judged carries its
+verdict under :data:`MALFORMED_KEY` / :data:`MALFORMED_FIELD_KEY` and raises it here.
 """
 
 from __future__ import annotations
@@ -11,6 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+
+# The verdict of a reader that normalised a row early (the row-by-row file reader), carried to the
+# tokenisation step so the row keeps its place and its location: the reason and the field at fault.
+MALFORMED_KEY = "__malformed__"
+MALFORMED_FIELD_KEY = "__malformed_field__"
 
 # ShareGPT exports disagree on speaker names; these are the spellings seen in the common dumps.
 SHAREGPT_ROLES = {
@@ -33,12 +43,16 @@ class MalformedRow(Exception):
         self.field = field
 
 
-def normalize_conversation(row: Mapping[str, Any]) -> list[dict[str, str]]:
+def normalize_conversation(row: Mapping[str, Any], require_answers: bool = True) -> list[dict[str, str]]:
     """The row's conversation as ``[{"role", "content"}, ...]`` with roles in :data:`ROLES`.
 
-    Raises :class:`MalformedRow` for an unknown role, a non-string content, an empty conversation or one
-    without an assistant turn (nothing to supervise).
+    Raises :class:`MalformedRow` for an unknown role, a content that is neither a string nor a list of
+    text parts, an empty conversation or one without an assistant turn (nothing to supervise), and, with
+    ``require_answers``, an empty assistant answer: its only supervised token would be the end-of-turn
+    marker, teaching the draft to stop at once (``regenerate``, which writes the answers, passes False).
     """
+    if row.get(MALFORMED_KEY):
+        raise MalformedRow(row[MALFORMED_KEY], row.get(MALFORMED_FIELD_KEY) or "")
     if row.get("messages") is not None:
         key, read = "messages", _openai_message
     elif row.get("conversations") is not None:
@@ -51,6 +65,11 @@ def normalize_conversation(row: Mapping[str, Any]) -> list[dict[str, str]]:
         raise MalformedRow("empty conversation", key)
     if not any(message["role"] == "assistant" for message in messages):
         raise MalformedRow("no assistant turn", f"{key}[*].{'role' if key == 'messages' else 'from'}")
+    if require_answers:
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant" and not message["content"].strip():
+                text = "content" if key == "messages" else "value"
+                raise MalformedRow("empty assistant answer", f"{key}[{index}].{text}")
     return messages
 
 
@@ -80,6 +99,20 @@ def _sharegpt_message(turn: Any, field: str) -> dict[str, str]:
 
 
 def _content(content: Any, field: str) -> str:
-    if not isinstance(content, str):
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
         raise MalformedRow("message content is not a string", field)
-    return content
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise MalformedRow("content part is not an object", f"{field}[{index}]")
+        kind = part.get("type")
+        if kind != "text":
+            raise MalformedRow(
+                f"content part of type {kind!r}: only text parts can be trained on", f"{field}[{index}].type"
+            )
+        if not isinstance(part.get("text"), str):
+            raise MalformedRow("text part without a string 'text'", f"{field}[{index}].text")
+        texts.append(part["text"])
+    return "\n".join(texts)

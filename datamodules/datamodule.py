@@ -8,6 +8,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -238,20 +239,39 @@ class PackedChatDataModule(LightningDataModule):
         return self._features.source("val_data_files" if separate_val else "data_files")
 
     def reserved_id_problem(self, token_id: int) -> str | None:
-        """Why ``token_id`` cannot be a reserved id (a block draft's mask token): it is one of the
-        tokenizer's eos / bos / pad / unk tokens, or it occurs in the documents (after :meth:`setup`).
-        ``None`` when it is neither."""
+        """Why ``token_id`` cannot be a reserved id (a block draft's mask token), or ``None``.
+
+        A reserved id is one text never produces: a special or added token of the tokenizer (other than
+        its eos / bos / pad / unk) or an id past the tokenizer's tokens (an unused embedding row, as
+        Qwen3's 151669). An ordinary text token is refused even where this data lacks it (the next data
+        or a served prompt holds it), and so is any id that occurs in the documents (after :meth:`setup`).
+        """
         tokenizer = self.tokenizer
+        named = {}
         for name in ("eos", "bos", "pad", "unk"):
-            if getattr(tokenizer, f"{name}_token_id") == token_id:
-                return f"the tokenizer's {name} token {getattr(tokenizer, f'{name}_token')!r}"
+            named.setdefault(getattr(tokenizer, f"{name}_token_id"), name)
+        if token_id in named:
+            name = named[token_id]
+            return f"the tokenizer's {name} token {getattr(tokenizer, f'{name}_token')!r}"
+        count = self._occurrences(token_id)
+        occurs = f", which occurs {count:,} times in the data" if count else ""
+        reserved = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+        if 0 <= token_id < len(tokenizer) and token_id not in reserved:
+            unused = (i for i in sorted(reserved - set(named)) if not self._occurrences(i))
+            listed = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in islice(unused, 5))
+            return (
+                f"token {tokenizer.convert_ids_to_tokens(token_id)!r}{occurs}: an ordinary text token of the "
+                f"tokenizer; pick a special or added token the data never uses ({listed or 'it has none'}) or "
+                f"an id past its {len(tokenizer):,} tokens"
+            )
+        if count:
+            return f"token {tokenizer.convert_ids_to_tokens(token_id)!r}{occurs}"
+        return None
+
+    def _occurrences(self, token_id: int) -> int:
         # Train and validation documents may be views of one token array: count each array once.
         arrays = {id(d.input_ids): d.input_ids for d in (self.train_documents, self.val_documents) if d}
-        count = sum(int(np.count_nonzero(ids == token_id)) for ids in arrays.values())
-        if count:
-            token = tokenizer.convert_ids_to_tokens(token_id)
-            return f"token {token!r}, which occurs {count:,} times in the data"
-        return None
+        return sum(int(np.count_nonzero(ids == token_id)) for ids in arrays.values())
 
     def conversations(self) -> Iterator[tuple[int, list[dict[str, str]] | MalformedRow]]:
         """Every row of ``data_files`` (the first ``max_documents``), in file order, as ``(row index,
@@ -266,11 +286,11 @@ class PackedChatDataModule(LightningDataModule):
             rows, _, read, _ = _load_chat_files(self.data_files, self.cache_dir, self.strict)
             if read is not None:
                 for reason, where in read.first_seen.items():
-                    self.first_malformed.setdefault(reason, []).append(where)
+                    self._name_malformed(reason, where)
         count = len(rows) if self.max_documents is None else min(self.max_documents, len(rows))
         for index in range(count):
             try:
-                yield index, normalize_conversation(rows[index])
+                yield index, normalize_conversation(rows[index], require_answers=False)
             except MalformedRow as malformed:
                 yield index, malformed
 
@@ -284,7 +304,7 @@ class PackedChatDataModule(LightningDataModule):
             if read is not None:
                 rejected = read.malformed
                 for reason, where in read.first_seen.items():
-                    self.first_malformed.setdefault(reason, []).append(where)
+                    self._name_malformed(reason, where)
         if self.max_documents is not None and self.max_documents < len(rows):
             rows = rows.select(range(self.max_documents))
             fingerprint = Hasher.hash([fingerprint, "first", self.max_documents])
@@ -308,8 +328,14 @@ class PackedChatDataModule(LightningDataModule):
                 f"{dict(corpus.malformed)}; drop strict to skip them)"
             )
         for reason, text in described:
-            self.first_malformed.setdefault(reason, []).append(text)
+            self._name_malformed(reason, text)
         return TokenizedCorpus(corpus.documents, corpus.malformed + rejected)
+
+    def _name_malformed(self, reason: str, where: str) -> None:
+        # A source is read by prepare_data and again by setup: each row is named once.
+        named = self.first_malformed.setdefault(reason, [])
+        if where not in named:
+            named.append(where)
 
     def _fit(self, documents: Documents, malformed: Counter) -> tuple[Documents, dict[str, Any]]:
         fitted, truncated, dropped = documents.fit_to_width(self.max_tokens, self.long_documents)
@@ -502,7 +528,7 @@ def _load_chat_files(
     files: str | os.PathLike | list, cache_dir: Path, strict: bool = False
 ) -> tuple[datasets.Dataset, str, ChatRows | None, RowLocations]:
     """The rows of ``files``, a fingerprint of the source, what the row-by-row reader rejected (``None``
-    when the fast ``datasets`` reader took the files whole), and where each row came from."""
+    for Parquet and hub datasets, which ``datasets`` reads whole), and where each row came from."""
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not paths:
         raise ValueError(
@@ -520,21 +546,21 @@ def _load_chat_files(
             raise ValueError(f"data file {path!r} is not .json, .jsonl or .parquet; convert it or rename it")
         if not glob.has_magic(path) and not Path(path).exists():
             raise ValueError(f"data file {path!r} does not exist")
+        if glob.has_magic(path) and not glob.glob(path):
+            raise ValueError(f"data file pattern {path!r} matches no file")
         builders.add(builder)
     if len(builders) > 1:
         raise ValueError(f"data_files {paths} mix JSON and Parquet; pass files of one format")
     builder = builders.pop()
-    try:
+    if builder != "json":
         rows = datasets.load_dataset(
             builder, data_files=paths, split="train", cache_dir=str(cache_dir / "sources")
         )
         # The datasets fingerprint of a loaded source hashes its files (paths, sizes, times).
         return rows, rows._fingerprint, None, RowLocations.of_files(paths)
-    except Exception:
-        if builder != "json":
-            raise
-    # datasets refuses a whole JSON file for one bad line or byte (or an empty file) without saying where:
-    # read it row by row, so the bad rows are named and the good ones kept.
+    # JSON is read row by row, not by datasets' JSON builder: that one refuses a whole file for one bad
+    # line or byte without saying where, keeps the last of two equal keys silently, and fails on a file
+    # that mixes string contents with lists of content parts (chat_files).
     expanded = sorted(
         {Path(m) for path in paths for m in (glob.glob(path) if glob.has_magic(path) else [path])}
     )

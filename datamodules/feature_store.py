@@ -125,6 +125,9 @@ def write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
     """Write a shard whole or not at all: a partial file never carries the shard's name."""
     partial = path.with_name(path.name + ".partial")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial))
+    # Readable by others like the manifest (safetensors creates its file 0600), so another user's job
+    # can train from a shared capture.
+    os.chmod(partial, 0o644)
     os.replace(partial, path)
 
 

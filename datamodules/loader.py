@@ -130,7 +130,9 @@ class LoaderState:
         self.identity: dict[str, Any] | None = None
         self._next_epoch = 0
         self._pending: dict[str, Any] | None = None
-        self._consumed_after: Callable[[int], int] = lambda position: 0
+        # The dataset being iterated (None before the first epoch), which knows the units consumed so far.
+        # Kept as the object, not a lambda, so that the data module still pickles (ddp_spawn, Ray).
+        self._dataset: PackedEpochDataset | None = None
 
     def begin(self, dataset: PackedEpochDataset) -> None:
         """Start an iteration over ``dataset``: set its epoch, and for a resumed epoch the units already
@@ -143,7 +145,7 @@ class LoaderState:
             dataset.identity(),
             epoch + 1,
         )
-        self._consumed_after = dataset.consumed_after
+        self._dataset = dataset
 
     def prepare(self, dataset: PackedEpochDataset, pending: dict[str, Any] | None = None) -> tuple[int, int]:
         """Set ``dataset`` to the epoch the next iteration runs (so that its length is that epoch's before
@@ -201,7 +203,9 @@ class LoaderState:
             loop = trainer.fit_loop
             epoch = max(int(loop.epoch_progress.current.started) - 1, 0)
             position = int(loop.epoch_loop.batch_progress.current.processed)
-        consumed = self._consumed_after(position) if epoch == self.epoch else 0
+        consumed = (
+            self._dataset.consumed_after(position) if self._dataset is not None and epoch == self.epoch else 0
+        )
         return {"epoch": epoch, "position": position, "consumed": consumed, "identity": self.identity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

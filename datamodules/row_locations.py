@@ -1,16 +1,15 @@
 """Where a row of a chat source came from, for messages about rows found malformed at tokenisation.
 
 Rows are tokenised as one ``datasets`` table, in source order, so a row is known there by its index.
-This turns the few indices a message names into ``file:line`` (JSON Lines), ``file[i]`` (a JSON
-array), ``file row i`` (Parquet) or ``<source> row i`` (a hub dataset, the embedded corpus). The files are
-read again only when a message needs a location, and only up to the last index it names.
+This turns the few indices a message names into the names the row-by-row JSON reader gave its rows
+(``file:line`` for JSON Lines, ``file[i]`` for a JSON array), ``file row i`` (Parquet) or ``<source> row
+i`` (a hub dataset, the embedded corpus). Parquet files are read again only when a message needs a
+location, and only their row counts.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,17 +48,7 @@ class RowLocations:
 
 
 def _file_rows(files: tuple[Path, ...]) -> Iterator[str]:
-    for path in files:
-        name = path.name.removesuffix(".gz")
-        if name.endswith(".parquet"):
-            import pyarrow.parquet as pq
+    import pyarrow.parquet as pq
 
-            yield from (f"{path} row {i}" for i in range(pq.ParquetFile(path).metadata.num_rows))
-            continue
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as handle:
-            if name.endswith(".jsonl"):
-                # The JSON reader skips blank lines; every other line is one row.
-                yield from (f"{path}:{n}" for n, line in enumerate(handle, start=1) if line.strip())
-            else:
-                yield from (f"{path}[{i}]" for i in range(len(json.load(handle))))
+    for path in files:
+        yield from (f"{path} row {i}" for i in range(pq.ParquetFile(path).metadata.num_rows))

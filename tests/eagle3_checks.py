@@ -95,6 +95,8 @@ def check_guards(module_class: type[Eagle3Base], target: dict) -> None:
     for bad in (0, -4, 2.5):
         with pytest.raises(ValueError, match="draft_vocab_size"):
             module_class(target, draft_vocab_size=bad)
+    with pytest.raises(ValueError, match=rf"draft_vocab_size = {VOCAB + 1} is larger .* of {VOCAB} ids"):
+        module_class(target, draft_vocab_size=VOCAB + 1)
     with pytest.raises(ValueError, match="loss_decay_gamma"):
         module_class(target, loss_decay_gamma=0.0)
     with pytest.raises(ValueError, match="draft_attn_backend"):

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from lightning_drafts.cli.command_parser import CommandParser
+from lightning_drafts.cli.counts import positive_int
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-drafts capture",
         description="Capture a fit config's target features for its draft into a features directory.",
         epilog="Other options (e.g. --data.init_args.max_documents=100) override the config as in `fit`.",
@@ -22,15 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="bfloat16",
         help="storage dtype: bfloat16 (default), float16, float32, float8_e4m3fn",
     )
-    parser.add_argument("--rows-per-batch", type=int, default=None, help="documents per target forward")
     parser.add_argument(
-        "--shard-bytes", type=int, default=None, help="about how many bytes per shard (1 GiB)"
+        "--rows-per-batch", type=positive_int, default=None, help="documents per target forward"
+    )
+    parser.add_argument(
+        "--shard-bytes", type=positive_int, default=None, help="about how many bytes per shard (1 GiB)"
     )
     parser.add_argument(
         "--keep-free-bytes", type=int, default=0, help="refuse unless this much disk stays free"
     )
     parser.add_argument(
-        "--max-shards", type=int, default=None, help="stop after this many shards (resumable)"
+        "--max-shards", type=positive_int, default=None, help="stop after this many shards (resumable)"
     )
     return parser
 

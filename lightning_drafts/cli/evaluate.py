@@ -20,9 +20,12 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_drafts.cli.command_parser import CommandParser
+from lightning_drafts.cli.counts import positive_int
 from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.model_card import has_card, results_section, update_results
+from lightning_drafts.serving.progress import announce
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
 from lightning_drafts.workflows.evaluate import evaluate_export
@@ -70,7 +73,7 @@ def evaluate_main(args: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-drafts evaluate",
         description="Greedy speculative decoding from an exported draft, verified by the target: the served "
         "acceptance length beside the training-time estimate (tau_sim) on the same prompts.",
@@ -115,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of --data-files held out for prompts (the quickstart's split by default)",
     )
     parser.add_argument("--cache-dir", default=None, help="tokenisation cache (default: the datasets cache)")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="keep the last N prompt tokens")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-prompts", type=positive_int, default=8)
     parser.add_argument(
-        "--num-steps", type=int, default=None, help="tokens drafted per round (family default)"
+        "--max-prompt-tokens", type=positive_int, default=512, help="keep the last N prompt tokens"
+    )
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument(
+        "--num-steps", type=positive_int, default=None, help="tokens drafted per round (family default)"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare")
@@ -144,10 +149,15 @@ def _prompt_source(parsed: argparse.Namespace) -> str:
 
 def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]:
     if parsed.prompts:
+        announce(f"evaluate: reading {parsed.num_prompts} prompts from {parsed.prompts}")
         prompts = load_prompts_jsonl(parsed.prompts, parsed.num_prompts)
         return [p[-parsed.max_prompt_tokens :] for p in prompts]
     datamodule = _datamodule(config, parsed)
-    return prompts_from_datamodule(datamodule, parsed.num_prompts, parsed.max_prompt_tokens)
+    source = parsed.data_files or (config.get("data") and parsed.config) or "the embedded corpus"
+    announce(f"evaluate: tokenising the held-out prompts of {source}")
+    prompts = prompts_from_datamodule(datamodule, parsed.num_prompts, parsed.max_prompt_tokens)
+    announce(f"evaluate: {len(prompts)} prompts")
+    return prompts
 
 
 def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None) -> Any:
@@ -180,6 +190,8 @@ def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None
         )
     if init_args.get("val_data_files") is None and not init_args.get("val_fraction"):
         init_args["val_fraction"] = DEFAULT_VAL_FRACTION
+    # The prompts are what matters here: no training summary or sample (its warnings still print).
+    init_args["setup_summary"] = False
     if parsed is not None and parsed.cache_dir is not None:
         init_args["cache_dir"] = parsed.cache_dir
     return PackedChatDataModule(**init_args)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_drafts.cli.command_parser import CommandParser
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-drafts export",
         description="Write a trained draft in the layout serving engines load.",
     )

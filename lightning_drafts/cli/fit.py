@@ -22,6 +22,13 @@ from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
 from lightning_drafts.training.module import DraftModule
 
+# A bad option raises (an ArgumentError naming the option) instead of printing the whole usage and
+# exiting: the command reports it in one message (cli.user_errors), a notebook gets an exception.
+RAISE_PARSE_ERRORS = {
+    "exit_on_error": False,
+    **{name: {"exit_on_error": False} for name in ("fit", "validate")},
+}
+
 
 class DraftCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -99,6 +106,7 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs=RAISE_PARSE_ERRORS,
     )
 
 
@@ -149,5 +157,6 @@ def build_from_config(args: list[str]) -> tuple[DraftModule, Any]:
             args=args,
             run=False,
             save_config_callback=None,
+            parser_kwargs=RAISE_PARSE_ERRORS,
         )
     return cli.model, cli.datamodule

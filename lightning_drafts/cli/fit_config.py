@@ -19,10 +19,32 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not path.is_file() or path.suffix not in CONFIG_SUFFIXES:
         raise ValueError(f"{path} is not a JSON / YAML file ({CONFIG_SUFFIXES})")
     if path.suffix == ".json":
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})"
+            ) from error
+    return read_yaml(path) or {}
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document at ``path``; a syntax error is a ``ValueError`` that names the file, line and
+    column (PyYAML names only ``<unicode string>``)."""
     import yaml
 
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        context = error.context or ""
+        if context and error.context_mark is not None and error.context_mark is not mark:
+            context += f" (line {error.context_mark.line + 1})"
+        problem = ", ".join(part for part in (context, error.problem) if part)
+        raise ValueError(f"{where}: YAML syntax error: {problem}; fix the file there") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not readable as YAML ({error})") from None
 
 
 def read_config_with_overrides(path: str | Path, overrides: Sequence[str]) -> dict[str, Any]:

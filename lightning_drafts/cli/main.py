@@ -8,6 +8,8 @@ import importlib
 import sys
 from typing import Any
 
+from lightning_drafts.cli.user_errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_user_errors
+
 SUBCOMMANDS = {
     "fit": "train a draft from a YAML config (LightningCLI; `fit --help` lists every option)",
     "validate": "validation metrics of a config's model, e.g. of a checkpoint (--ckpt_path)",
@@ -30,23 +32,32 @@ USAGE = (
     + ",".join(SUBCOMMANDS)
     + "} ...\n\n"
     + "\n".join(f"  {name:12}{text}" for name, text in SUBCOMMANDS.items())
+    + f"\n\nA mistake in an option, a config or a data file prints one message; {DEBUG_FLAG} (or {DEBUG_ENV}=1) "
+    "shows its traceback."
 )
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``lightning-drafts`` and ``python -m lightning_drafts``."""
-    given = sys.argv[1:] if args is None else args
+    debug, given = debug_requested(sys.argv[1:] if args is None else args)
+    if args is None:
+        # LightningCLI reads the command line itself (fit / validate), which must not hold --debug.
+        sys.argv[1:] = given
     command = given[0] if given else None
     if command in (None, "-h", "--help"):
         print(USAGE)
         return
+    if command not in SUBCOMMANDS:
+        raise SystemExit(f"lightning-drafts: unknown subcommand {command!r}\n\n{USAGE}")
+    report_user_errors(command, lambda: _dispatch(command, given[1:], None if args is None else given), debug)
+
+
+def _dispatch(command: str, rest: list[str], cli_args: list[str] | None) -> None:
     if command in ARGPARSE_COMMANDS:
         module, entry = ARGPARSE_COMMANDS[command]
-        getattr(importlib.import_module(module), entry)(given[1:])
-    elif command in SUBCOMMANDS:
-        run_cli(args)
+        getattr(importlib.import_module(module), entry)(rest)
     else:
-        raise SystemExit(f"lightning-drafts: unknown subcommand {command!r}\n\n{USAGE}")
+        run_cli(cli_args)
 
 
 def run_cli(args: list[str] | None = None) -> Any:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
+from lightning_drafts.cli.fit_config import read_yaml
 
 MOVED_PACKAGES = ("datamodules", "callbacks")
 
@@ -33,7 +33,7 @@ def _class_path_values(args: list[str]) -> Iterator[tuple[str, str]]:
         if name == "--config" and not value and index + 1 < len(args):
             value = args[index + 1]
         if name == "--config" and Path(value).is_file():
-            for found in _strings_under_class_path(yaml.safe_load(Path(value).read_text())):
+            for found in _strings_under_class_path(read_yaml(value)):
                 yield value, found
         elif name.startswith("--") and value:
             yield name, value

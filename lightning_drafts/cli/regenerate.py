@@ -19,7 +19,10 @@ import argparse
 import json
 from typing import Any
 
+from lightning_drafts.cli.command_parser import CommandParser
+from lightning_drafts.cli.counts import positive_int
 from lightning_drafts.cli.fit_config import config_datamodule, read_config_with_overrides, target_spec
+from lightning_drafts.serving.progress import announce
 
 
 def regenerate_main(args: list[str]) -> None:
@@ -40,6 +43,7 @@ def regenerate_main(args: list[str]) -> None:
         data_options["max_documents"] = parsed.limit
     if parsed.cache_dir is not None:
         data_options["cache_dir"] = parsed.cache_dir
+    announce(f"regenerate: reading the data of {parsed.config}")
     datamodule = config_datamodule(config, **data_options)
 
     import torch
@@ -47,6 +51,7 @@ def regenerate_main(args: list[str]) -> None:
     from lightning_drafts.training.target import FrozenTarget
 
     def frozen_target() -> FrozenTarget:
+        announce(f"regenerate: loading the target ({_describe(spec)})")
         return FrozenTarget(spec, dtype=parsed.target_dtype, seed=seed or 0).to(parsed.device)
 
     if parsed.check is not None:
@@ -142,7 +147,7 @@ def _describe(spec: Any) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-drafts regenerate",
         description="Rewrite every assistant turn of a fit config's data with the config's own target.",
     )
@@ -151,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", help="a target other than the config's (id, path or config file)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="per assistant turn")
     parser.add_argument(
-        "--max-prompt-tokens", type=int, default=4096, help="longer prompts are skipped, counted"
+        "--max-prompt-tokens", type=positive_int, default=4096, help="longer prompts are skipped, counted"
     )
     parser.add_argument(
         "--max-conversation-tokens",
@@ -166,14 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--thinking", choices=["on", "off", "both"], help="enable_thinking of templates that have it"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="conversations generated together")
     parser.add_argument("--stop-token-id", type=int, action="append", help="extra ids that end a turn")
-    parser.add_argument("--limit", type=int, help="only the first N rows of the data")
+    parser.add_argument("--limit", type=positive_int, help="only the first N rows of the data")
     parser.add_argument("--worker", default="0/1", help="I/N: this worker's share of N (then --merge N)")
-    parser.add_argument("--merge", type=int, metavar="N", help="merge the N workers' files into --output")
+    parser.add_argument(
+        "--merge", type=positive_int, metavar="N", help="merge the N workers' files into --output"
+    )
     parser.add_argument("--resume", action="store_true", help="continue a killed run's --output")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    parser.add_argument("--check", type=int, metavar="N", help="only print the data match over N documents")
+    parser.add_argument(
+        "--check", type=positive_int, metavar="N", help="only print the data match over N documents"
+    )
     parser.add_argument(
         "--engine",
         choices=["transformers", "vllm"],

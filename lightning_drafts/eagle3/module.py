@@ -70,7 +70,7 @@ class Eagle3Base(DraftModule):
         target_layer_ids: three distinct, ascending decoder-layer ids whose **outputs** feed ``fc``
             (HF ``hidden_states[id + 1]``); ``None`` = ``[1, N // 2 - 1, N - 4]``.
         ttt_length: TTT steps ``K`` (int >= 1; default 7).
-        draft_vocab_size: LM-head rows ``V_d``; ``None`` (or ``>= V``) = the full target vocabulary.
+        draft_vocab_size: LM-head rows ``V_d``; ``None`` (or ``V``) = the full target vocabulary.
         loss_decay_gamma: step weight ``gamma^k`` (normalised by their sum); default 0.8.
         token_frequencies: per-target-id counts of supervised tokens (tensor, list, or a ``torch.save``
             file) to build the draft vocabulary from. Without it, ``fit`` scans the attached datamodule's

@@ -106,8 +106,8 @@ def build_vocab_mapping(
 ) -> VocabMapping:
     """Choose the draft vocabulary from per-id ``counts`` (long ``[V]``).
 
-    ``draft_vocab_size`` ``None`` or ``>= V`` gives the identity mapping. Raises ``ValueError`` for a
-    non-positive size or counts that hold no token at all.
+    ``draft_vocab_size`` ``None`` or ``V`` gives the identity mapping. Raises ``ValueError`` for a
+    non-positive size, one above ``V``, or counts that hold no token at all.
     """
     vocab_size = int(counts.numel())
     counts = counts.long().cpu()
@@ -146,11 +146,18 @@ def build_vocab_mapping(
 
 
 def check_draft_vocab_size(draft_vocab_size: int | None, vocab_size: int) -> int:
-    """The effective draft vocabulary size: ``V`` for ``None`` or anything ``>= V``."""
+    """The effective draft vocabulary size: ``V`` for ``None``; a size above ``V`` is refused (the draft
+    cannot hold ids its target does not have, and taking it as ``V`` would hide a config written for
+    another target)."""
     if draft_vocab_size is None:
         return vocab_size
     check_int("draft_vocab_size", draft_vocab_size, 1, hint="or None: the full target vocabulary")
-    return min(draft_vocab_size, vocab_size)
+    if draft_vocab_size > vocab_size:
+        raise ValueError(
+            f"draft_vocab_size = {draft_vocab_size} is larger than the target's vocabulary of {vocab_size} ids; "
+            f"write at most {vocab_size} (or null: the full vocabulary)"
+        )
+    return draft_vocab_size
 
 
 def _special_ids(ids: Iterable[int | Sequence[int] | None], vocab_size: int) -> Tensor:

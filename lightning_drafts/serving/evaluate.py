@@ -25,7 +25,7 @@ from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.decode import as_prompt, greedy_generate, speculative_generate
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
 from lightning_drafts.serving.family import DraftFamily
-from lightning_drafts.serving.progress import map_with_progress
+from lightning_drafts.serving.progress import announce, map_with_progress
 from lightning_drafts.serving.report import EvaluationReport, served_acceptance, training_estimate
 from lightning_drafts.serving.vllm_evaluate import serve_with_vllm
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
@@ -78,8 +78,11 @@ def evaluate_family_export(
     if not prompts:
         raise ValueError("no prompts to evaluate on; pass at least one token-id prompt")
     directory = Path(export_dir)
+    say = announce if progress else (lambda message: None)
     config = read_export(directory).config
+    say(f"evaluate: loading the target ({_target_name(target, config)})")
     frozen = resolve_target(target, config, directory, target_seed, target_attn_backend, target_dtype, device)
+    say(f"evaluate: validating the export {directory}")
     summary = family.validate(directory, frozen)
     steps = family.default_num_steps(config) if num_steps is None else num_steps
     check_int("num_steps", steps, 1, hint="tokens proposed per verify round")
@@ -125,6 +128,7 @@ def evaluate_family_export(
     if with_training_estimate:
         module = family.load_training_module(directory, frozen, steps)
         if module is not None:
+            say(f"evaluate: the training-time estimate (tau_sim) on the same {len(prompt_tensors)} prompts")
             module.to(frozen.lm_head.weight.device).eval()
             continuations = [g.tokens for g in generations]
             training = training_estimate(module, prompt_tensors, continuations, num_steps=steps)
@@ -169,6 +173,13 @@ def resolve_target(
     seed = record.get("target_seed", 0) if seed is None else seed
     frozen = FrozenTarget(spec, attn_backend=attn_backend, dtype=dtype, seed=seed)
     return frozen if device is None else frozen.to(device)
+
+
+def _target_name(target: FrozenTarget | TargetSpec | None, config: Mapping[str, Any]) -> str:
+    if isinstance(target, FrozenTarget):
+        return "the target given"
+    spec = (config.get("lightning_drafts") or {}).get("target") if target is None else target
+    return "a config-dict target" if isinstance(spec, Mapping) else str(spec)
 
 
 def _stop_tokens(target: FrozenTarget) -> set[int]:

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lightning_drafts.core.digest import tensor_fingerprint
+from lightning_drafts.core.output_lock import exclusive_output, private_output
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -92,29 +93,32 @@ def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Pa
     an error, its files are moved into ``output_dir``; otherwise nothing there changes.
 
     A non-empty ``output_dir`` is refused unless ``overwrite``, which then removes the export files there
-    (config, weights, weight shards, model card: :func:`is_export_file`) and nothing else. A ``ValueError`` raised
-    inside names ``output_dir``, not the temporary directory.
+    (config, weights, weight shards, model card: :func:`is_export_file`) and nothing else. A ``ValueError``
+    raised inside names ``output_dir``, not the temporary directory. Another process writing ``output_dir``
+    at the same time is refused (:func:`~lightning_drafts.core.output_lock.exclusive_output`).
     """
     output = Path(output_dir)
-    present = check_destination(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    with exclusive_output(output):
+        present = check_destination(output, overwrite)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
         try:
-            yield staging
-        except ValueError as error:
-            raise ValueError(str(error).replace(str(staging), str(output))) from error
-        if not output.exists():
-            os.chmod(staging, 0o755)
-            staging.rename(output)
-            return
-        for name in present:
-            if is_export_file(name):  # e.g. the shards of an earlier, larger export
-                (output / name).unlink()
-        for path in staging.iterdir():
-            os.replace(path, output / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            try:
+                with private_output(staging):
+                    yield staging
+            except ValueError as error:
+                raise ValueError(str(error).replace(str(staging), str(output))) from error
+            if not output.exists():
+                os.chmod(staging, 0o755)
+                staging.rename(output)
+                return
+            for name in present:
+                if is_export_file(name):  # e.g. the shards of an earlier, larger export
+                    (output / name).unlink()
+            for path in staging.iterdir():
+                os.replace(path, output / path.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_export(

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.core.batch import validate_batch
+from lightning_drafts.core.checks import check_int
 
 
 def prompt_of_document(
@@ -54,6 +55,8 @@ def load_prompts_jsonl(path: str | Path, limit: int | None = None) -> list[Tenso
 
     An object with ``input_ids`` and ``loss_mask`` gives the tokens before its first supervised token.
     """
+    if limit is not None:
+        check_int("limit", limit, 1, hint="prompts to read, or None for all")
     prompts: list[Tensor] = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -83,6 +86,7 @@ def prompts_from_datamodule(
 
     Falls back to the training documents, with a warning, when the data module holds out nothing.
     """
+    check_int("limit", limit, 1, hint="prompts to take")
     datamodule.setup("validate")
     documents = datamodule.val_documents
     if documents is None or len(documents) == 0:

@@ -15,6 +15,7 @@ A config names one as ``shipped:<name>`` wherever a hub id or path is accepted (
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -41,8 +42,19 @@ def shipped_target_path(name: str) -> Path:
     return path
 
 
+# What the hub accepts as a repository id: ``name`` or ``namespace/name``.
+HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
+
+
 def resolve_shipped(spec: str) -> str:
-    """``shipped:<name>`` becomes that target's local directory; any other string is returned unchanged."""
-    if not spec.startswith(SHIPPED_PREFIX):
-        return spec
-    return str(shipped_target_path(spec[len(SHIPPED_PREFIX) :]))
+    """``shipped:<name>`` becomes that target's local directory; a local path or a hub id is returned
+    unchanged. A string that is neither an existing path nor a hub id is refused as a missing directory
+    (transformers would call it a malformed repository id)."""
+    if spec.startswith(SHIPPED_PREFIX):
+        return str(shipped_target_path(spec[len(SHIPPED_PREFIX) :]))
+    if not Path(spec).expanduser().exists() and HUB_ID.fullmatch(spec) is None:
+        raise FileNotFoundError(
+            f"no such directory: {spec} (a target or tokenizer is a local model directory, a hub id such as "
+            f"Qwen/Qwen3-8B, or shipped:<name> with a name of {list(SHIPPED_TARGETS)})"
+        )
+    return spec

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_drafts.core.output_lock import OutputInUse, exclusive_output
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.documents import Documents
@@ -40,6 +43,7 @@ from lightning_drafts.datamodules.feature_store import (
     write_shard,
 )
 from lightning_drafts.datamodules.packing import collate_placed, place, plan_epoch
+from lightning_drafts.serving.progress import announce
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import as_dtype
 
@@ -136,54 +140,81 @@ def capture_documents(
     """
     started = time.perf_counter()
     directory = Path(output_dir)
-    storage = _storage_dtype(dtype)
-    request = module.feature_request()
-    manifest = _manifest(module, request, storage, sources, shard_bytes, data)
-    estimate = _estimate_bytes(manifest, storage)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    with _one_capture(directory):
+        storage = _storage_dtype(dtype)
+        request = module.feature_request()
+        manifest = _manifest(module, request, storage, sources, shard_bytes, data)
+        estimate = _estimate_bytes(manifest, storage)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
-    directory.mkdir(parents=True, exist_ok=True)
-    existing = read_manifest(directory)
-    if existing is not None:
-        _check_resumable(existing, manifest, directory)
-        manifest = {**manifest, "capture_seconds": existing.get("capture_seconds", 0.0)}
-    if dist.is_initialized():
-        dist.barrier()  # every rank has read the manifest before rank 0 writes one
-    if existing is None and rank == 0:
-        write_manifest(directory, {**manifest, "complete": False, "capture_seconds": 0.0})
-    todo = [
-        (source, index, shard["documents"])
-        for source, entry in manifest["sources"].items()
-        for index, shard in enumerate(entry["shards"])
-        if not (directory / shard["file"]).exists()
-    ]
-    _check_disk(directory, estimate, todo, manifest, keep_free_bytes)
+        directory.mkdir(parents=True, exist_ok=True)
+        existing = read_manifest(directory)
+        if existing is not None:
+            _check_resumable(existing, manifest, directory)
+            manifest = {**manifest, "capture_seconds": existing.get("capture_seconds", 0.0)}
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read the manifest before rank 0 writes one
+        if existing is None and rank == 0:
+            write_manifest(directory, {**manifest, "complete": False, "capture_seconds": 0.0})
+        todo = [
+            (source, index, shard["documents"])
+            for source, entry in manifest["sources"].items()
+            for index, shard in enumerate(entry["shards"])
+            if not (directory / shard["file"]).exists()
+        ]
+        _check_disk(directory, estimate, todo, manifest, keep_free_bytes)
+        if existing is not None and rank == 0:
+            total = sum(len(entry["shards"]) for entry in manifest["sources"].values())
+            announce(
+                f"resuming the capture in {directory}: {total - len(todo)} of {total} shards are there, "
+                f"{len(todo)} to write"
+            )
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    module.target.to(device)
-    written = 0
-    for position, (source, index, (begin, end)) in enumerate(todo):
-        if position % world != rank:
-            continue
-        if max_shards is not None and written >= max_shards:
-            break
-        shard = sources[source].select(np.arange(begin, end))
-        tensors = _capture_shard(
-            module, shard, request, storage, rows_per_batch, max_tokens, pad_token_id, device
-        )
-        write_shard(directory / shard_name(source, index), tensors)
-        written += 1
-    if dist.is_initialized():
-        dist.barrier()
-    shards = [shard["file"] for entry in manifest["sources"].values() for shard in entry["shards"]]
-    total, present = len(shards), sum((directory / name).exists() for name in shards)
-    seconds = time.perf_counter() - started
-    if rank == 0:
-        elapsed = float(manifest.get("capture_seconds", 0.0)) + seconds
-        write_manifest(directory, {**manifest, "complete": present == total, "capture_seconds": elapsed})
-    if dist.is_initialized():
-        dist.barrier()
-    return CaptureSummary(directory, written, total, estimate, present == total, seconds)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        module.target.to(device)
+        written = 0
+        for position, (source, index, (begin, end)) in enumerate(todo):
+            if position % world != rank:
+                continue
+            if max_shards is not None and written >= max_shards:
+                break
+            shard = sources[source].select(np.arange(begin, end))
+            tensors = _capture_shard(
+                module, shard, request, storage, rows_per_batch, max_tokens, pad_token_id, device
+            )
+            write_shard(directory / shard_name(source, index), tensors)
+            written += 1
+        if dist.is_initialized():
+            dist.barrier()
+        shards = [shard["file"] for entry in manifest["sources"].values() for shard in entry["shards"]]
+        total, present = len(shards), sum((directory / name).exists() for name in shards)
+        seconds = time.perf_counter() - started
+        if rank == 0:
+            elapsed = float(manifest.get("capture_seconds", 0.0)) + seconds
+            write_manifest(directory, {**manifest, "complete": present == total, "capture_seconds": elapsed})
+        if dist.is_initialized():
+            dist.barrier()
+        return CaptureSummary(directory, written, total, estimate, present == total, seconds)
+
+
+@contextmanager
+def _one_capture(directory: Path) -> Iterator[None]:
+    """One capture per directory: rank 0 holds its lock for the job's ranks, and every rank learns at once
+    whether it got it (a rank raising alone would leave the others waiting at a barrier)."""
+    with ExitStack() as stack:
+        refused = ""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                stack.enter_context(exclusive_output(directory))
+            except OutputInUse as error:
+                refused = str(error)
+        if dist.is_initialized():
+            shared = [refused]
+            dist.broadcast_object_list(shared, src=0)
+            refused = shared[0]
+        if refused:
+            raise OutputInUse(refused)
+        yield
 
 
 def _storage_dtype(dtype: str) -> torch.dtype:

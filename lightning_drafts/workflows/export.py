@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from lightning_drafts.core.output_lock import exclusive_output
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.export_files import ExportSummary, check_destination, staged_export
 from lightning_drafts.serving.model_card import TrainingFacts
@@ -55,17 +56,19 @@ def export_checkpoint(
     (a defect raises ``ValueError`` naming the field). ``layout`` chooses among a family's layouts
     (DSpark: ``specforge`` / ``nemo``); None takes the family's default. A non-empty ``output_dir`` is
     refused unless ``overwrite`` (which replaces only export files there)."""
-    check_destination(output_dir, overwrite)  # before the minutes a large target takes to load
-    module = load_draft_checkpoint(checkpoint_path, target=target)
-    family = REGISTRY.for_module(module)
-    # What serving reads is checked against the target it will serve with, for every family, before it
-    # lands: a refused export leaves output_dir as it was.
-    with staged_export(output_dir, overwrite=overwrite) as staging:
-        training = training_facts(checkpoint_path)
-        family.export(
-            module, staging, layout=layout, training=training, served_from=Path(output_dir).resolve()
-        )
-        family.validate(staging, module.target)
+    # One writer for the whole run, from before the minutes a large target takes to load.
+    with exclusive_output(output_dir):
+        check_destination(output_dir, overwrite)
+        module = load_draft_checkpoint(checkpoint_path, target=target)
+        family = REGISTRY.for_module(module)
+        # What serving reads is checked against the target it will serve with, for every family, before it
+        # lands: a refused export leaves output_dir as it was.
+        with staged_export(output_dir, overwrite=overwrite) as staging:
+            training = training_facts(checkpoint_path)
+            family.export(
+                module, staging, layout=layout, training=training, served_from=Path(output_dir).resolve()
+            )
+            family.validate(staging, module.target)
     return Path(output_dir)
 
 

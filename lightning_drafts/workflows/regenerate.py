@@ -27,8 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -37,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from lightning_drafts.core.output_lock import exclusive_output
 from lightning_drafts.datamodules.chat_format import MalformedRow
 from lightning_drafts.datamodules.tokenize import render_prompt
+from lightning_drafts.serving.progress import Progress, announce
 
 THINKING_MODES = (None, "on", "off", "both")
 
@@ -280,53 +279,51 @@ def regenerate(
     if not 0 <= index < workers:
         raise ValueError(f"worker = {worker}; it must be (i, n) with 0 <= i < n")
     output = Path(output)
-    meta_path = metadata_path(output)
-    rows = list(datamodule.conversations())
-    settings = {
-        **asdict(options),
-        "worker": [index, workers],
-        "data": _data_fingerprint(datamodule, rows),
-        **(provenance or {}),
-    }
-    done, counts = _start(output, meta_path, settings, resume, overwrite)
-    tokenizer, template = datamodule.tokenizer, datamodule.chat_template
-    if options.thinking in ("on", "both") and "enable_thinking" not in template:
-        raise ValueError(
-            f"thinking = {options.thinking!r}, but the chat template has no enable_thinking switch; "
-            "leave thinking unset for this tokenizer"
-        )
-    batches = [rows[start : start + options.batch_size] for start in range(0, len(rows), options.batch_size)]
-    mine = [(n, b) for n, b in enumerate(batches) if n % workers == index and n >= done]
-    bar = tqdm(
-        total=sum(len(b) for _, b in mine),
-        desc="regenerate",
-        unit="conversation",
-        file=sys.stderr,
-        disable=None if progress else True,
-        dynamic_ncols=True,
-    )
-    started = time.perf_counter()
-    with output.open("a", encoding="utf-8") as out:
-        for number, batch in mine:
-            written = _regenerate_batch(batch, engine, options, tokenizer, template, counts)
-            for row in written:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-            _write_metadata(meta_path, settings, counts, next_batch=number + 1, finished=False)
-            bar.update(len(batch))
-            bar.set_postfix_str(
-                f"{counts.generated_tokens / max(time.perf_counter() - started, 1e-9):.1f} tokens/s",
-                refresh=False,
+    with exclusive_output(output):
+        meta_path = metadata_path(output)
+        rows = list(datamodule.conversations())
+        settings = {
+            **asdict(options),
+            "worker": [index, workers],
+            "data": _data_fingerprint(datamodule, rows),
+            **(provenance or {}),
+        }
+        done, counts = _start(output, meta_path, settings, resume, overwrite)
+        tokenizer, template = datamodule.tokenizer, datamodule.chat_template
+        if options.thinking in ("on", "both") and "enable_thinking" not in template:
+            raise ValueError(
+                f"thinking = {options.thinking!r}, but the chat template has no enable_thinking switch; "
+                "leave thinking unset for this tokenizer"
             )
-    bar.close()
-    if counts.skipped:
-        warnings.warn(
-            f"{sum(counts.skipped.values())} conversation(s) were not regenerated ({dict(counts.skipped)}); "
-            f"{meta_path} names them",
-            stacklevel=2,
-        )
-    return _write_metadata(meta_path, settings, counts, next_batch=len(batches), finished=True)
+        batches = [
+            rows[start : start + options.batch_size] for start in range(0, len(rows), options.batch_size)
+        ]
+        mine = [(n, b) for n, b in enumerate(batches) if n % workers == index and n >= done]
+        if done:
+            announce(
+                f"resuming {output} at batch {done} of {len(batches)}: {counts.rows_written} rows were written "
+                f"by the run that stopped, {sum(len(b) for _, b in mine)} conversations to go"
+            )
+        with (
+            Progress(sum(len(b) for _, b in mine), "regenerate", "conversation", progress) as shown,
+            output.open("a", encoding="utf-8") as out,
+        ):
+            for number, batch in mine:
+                before = counts.generated_tokens
+                written = _regenerate_batch(batch, engine, options, tokenizer, template, counts)
+                for row in written:
+                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+                _write_metadata(meta_path, settings, counts, next_batch=number + 1, finished=False)
+                shown.update(len(batch), counts.generated_tokens - before)
+        if counts.skipped:
+            warnings.warn(
+                f"{sum(counts.skipped.values())} conversation(s) were not regenerated ({dict(counts.skipped)}); "
+                f"{meta_path} names them",
+                stacklevel=2,
+            )
+        return _write_metadata(meta_path, settings, counts, next_batch=len(batches), finished=True)
 
 
 def _regenerate_batch(
@@ -425,25 +422,26 @@ def merge_shards(output: str | Path, workers: int, overwrite: bool = False) -> d
     """One file from the ``workers`` shards of ``output`` (:func:`shard_path`), rows in source-row order:
     the file one worker would have written. Every shard must be finished."""
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} exists; pass overwrite=True (--overwrite) to replace it")
-    rows, counts, settings = [], Counts(), None
-    for worker in range(workers):
-        path = shard_path(output, worker, workers)
-        meta = json.loads(metadata_path(path).read_text()) if metadata_path(path).exists() else None
-        if meta is None or not meta["finished"]:
-            raise ValueError(
-                f"worker {worker} of {workers} has not finished ({path}); run or resume it first"
-            )
-        rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-        counts.add(Counts.from_json(meta["counts"]))
-        settings = {**meta["settings"], "worker": [0, 1]}
-    rows.sort(key=lambda row: (row["source_row"], row.get("thinking") is False))
-    counts.skipped_rows.sort(key=lambda item: item["row"])
-    with output.open("w", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return _write_metadata(metadata_path(output), settings, counts, next_batch=None, finished=True)
+    with exclusive_output(output):
+        if output.exists() and not overwrite:
+            raise FileExistsError(f"{output} exists; pass overwrite=True (--overwrite) to replace it")
+        rows, counts, settings = [], Counts(), None
+        for worker in range(workers):
+            path = shard_path(output, worker, workers)
+            meta = json.loads(metadata_path(path).read_text()) if metadata_path(path).exists() else None
+            if meta is None or not meta["finished"]:
+                raise ValueError(
+                    f"worker {worker} of {workers} has not finished ({path}); run or resume it first"
+                )
+            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+            counts.add(Counts.from_json(meta["counts"]))
+            settings = {**meta["settings"], "worker": [0, 1]}
+        rows.sort(key=lambda row: (row["source_row"], row.get("thinking") is False))
+        counts.skipped_rows.sort(key=lambda item: item["row"])
+        with output.open("w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        return _write_metadata(metadata_path(output), settings, counts, next_batch=None, finished=True)
 
 
 def _start(

@@ -5,6 +5,8 @@ command keeps from a training config."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -69,7 +71,7 @@ def test_cli_evaluate_serves_an_export_with_the_target_it_records_or_one_given(
         assert report["generations"] == expected.generations
 
 
-def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys):
+def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys, caplog):
     from lightning_drafts.datamodules import load_embedded_tokenizer
 
     chats = [
@@ -90,12 +92,29 @@ def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, caps
         module.draft.lm_head.weight.mul_(1.5)
     export = module.export(tmp_path / "draft")
     out = tmp_path / "report.json"
-    main(
-        ["evaluate", str(export), "--data-files", str(tmp_path / "chats.jsonl"), "--val-fraction", "0.5"]
-        + ["--cache-dir", str(tmp_path / "cache"), "--num-prompts", "2", "--max-new-tokens", "3"]
-        + ["--ignore-eos", "--no-training-estimate", "--json", str(out)]
-    )
+    with caplog.at_level(logging.INFO):
+        main(
+            ["evaluate", str(export), "--data-files", str(tmp_path / "chats.jsonl"), "--val-fraction", "0.5"]
+            + ["--cache-dir", str(tmp_path / "cache"), "--num-prompts", "2", "--max-new-tokens", "3"]
+            + ["--ignore-eos", "--no-training-estimate", "--json", str(out)]
+        )
     assert "served" in capsys.readouterr().out
+    # Its phases and progress, in order, from the start (stderr is no terminal here: log lines, no bar);
+    # no training sample of the data module.
+    logged = [r.getMessage() for r in caplog.records]
+    assert not any("training sample" in line for line in logged)
+    phases = [
+        "evaluate: tokenising the held-out prompts of",
+        "evaluate: 2 prompts",
+        "evaluate: loading the target (a config-dict target)",
+        "evaluate: validating the export",
+        "speculative decoding: 2 prompts",
+        "speculative decoding: 1/2 prompts (50%),",
+        "speculative decoding: 2/2 prompts (100%),",
+    ]
+    found = [next(i for i, line in enumerate(logged) if line.startswith(phase)) for phase in phases]
+    assert found == sorted(found), logged
+    assert re.search(r"2/2 prompts \(100%\), [\d.]+ prompts/s, [\d.]+ tokens/s, 0 s left", logged[found[-1]])
     report = json.loads(out.read_text())
     assert report["num_prompts"] == 2 and report["training"] is None
     tokenizer = load_embedded_tokenizer()
@@ -123,6 +142,7 @@ def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_o
         "tokenizer": "tok",
         "chat_template": "{{ x }}",
         "val_fraction": 0.05,
+        "setup_summary": False,
     }
 
     no_split = {"data": {"init_args": {"max_tokens": 256}}}

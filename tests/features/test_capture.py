@@ -5,7 +5,9 @@ not match the module is refused naming the field; another draft vocabulary needs
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +18,14 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_drafts import DFlashModule, Eagle3Module
+from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules.feature_store import MANIFEST, FeatureStore
 from tests.builders import TINY_TARGETS
 from tests.families.family_case import ROOT
 from tests.families.test_conformance import run
 from tests.features.feature_cases import capture, corpus, first_batch, without_features
 from tests.hang_guard import HANG_GUARD_S
+from tests.lock_holder import held_by_another_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,6 +71,29 @@ def test_a_stopped_capture_resumes_to_the_shards_of_an_uninterrupted_one(tmp_pat
     assert {k: v for k, v in resumed.manifest.items() if k not in drop} == {
         k: v for k, v in whole.manifest.items() if k not in drop
     }
+
+
+def test_a_resumed_capture_says_where_and_its_shards_are_readable_by_others(tmp_path, caplog):
+    module, docs = eagle3(), corpus()
+    with pytest.raises(ValueError, match="incomplete"):
+        capture(module, tmp_path, docs, shard_bytes=SMALL_SHARDS, max_shards=1)
+    with caplog.at_level(logging.INFO):
+        store = capture(module, tmp_path, docs, shard_bytes=SMALL_SHARDS)
+    total = len(store.manifest["sources"]["data_files"]["shards"])
+    assert f"resuming the capture in {tmp_path}: 1 of {total} shards are there, {total - 1} to write" in [
+        r.getMessage() for r in caplog.records
+    ]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir() if not p.name.startswith(".")}
+    assert set(modes.values()) == {0o644} and MANIFEST in modes and len(modes) == total + 1, modes
+
+
+def test_a_capture_into_a_directory_another_capture_writes_is_refused(tmp_path):
+    with held_by_another_process(tmp_path / "features") as holder:
+        with pytest.raises(
+            OutputInUse, match=rf"features is being written by another run \(process {holder.pid} "
+        ):
+            capture(eagle3(), tmp_path / "features", corpus(), shard_bytes=SMALL_SHARDS)
+    assert not (tmp_path / "features").exists()
 
 
 def test_resuming_with_another_setting_is_refused_naming_it(tmp_path):

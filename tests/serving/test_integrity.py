@@ -179,7 +179,7 @@ def test_a_file_that_is_no_checkpoint_is_named(tmp_path):
         export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "out")
 
 
-def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_export_files(tmp_path):
+def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_export_files(tmp_path, capsys):
     out = tmp_path / "export"
     export_checkpoint(OLD_CHECKPOINT, out)
     for name in (CONFIG_FILE, WEIGHTS_FILE):  # readable by the serving engine's user too
@@ -190,8 +190,9 @@ def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_export
     before = (out / CONFIG_FILE).read_bytes()
     with pytest.raises(ValueError, match="is not empty .*--overwrite"):
         export_checkpoint(OLD_CHECKPOINT, out)
-    with pytest.raises(ValueError, match="is not empty"):
+    with pytest.raises(SystemExit):
         main(["export", str(OLD_CHECKPOINT), str(out)])
+    assert f"lightning-drafts export: error: {out} is not empty" in capsys.readouterr().err
     assert stale.exists() and (out / CONFIG_FILE).read_bytes() == before  # refused: nothing changed
 
     main(["export", str(OLD_CHECKPOINT), str(out), "--overwrite"])
@@ -211,4 +212,5 @@ def test_a_refused_export_leaves_the_destination_as_it_was(tmp_path):
     torch.save(saved, untrained)
     with pytest.raises(ValueError, match="RMSNorm gains are still exactly 1.0"):
         export_checkpoint(untrained, tmp_path / "refused")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["untrained.ckpt"]  # no export, no staging left
+    # No export, no staging left: only the writer lock beside the destination, which stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".refused.lock", "untrained.ckpt"]

@@ -4,6 +4,7 @@ match check that tells a fit whether its answers are the target's."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_drafts.callbacks import DataMatchCallback
 from lightning_drafts.cli.main import main as cli_main
 from lightning_drafts.cli.main import run_cli
+from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.serving.decode import greedy_generate
 from lightning_drafts.serving.vllm_engine import VLLMRunError
@@ -29,6 +31,7 @@ from lightning_drafts.workflows.regenerate import (
     regenerate,
     shard_path,
 )
+from tests.lock_holder import held_by_another_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = "shipped:tiny-llama"
@@ -119,7 +122,9 @@ def test_regenerated_answers_are_the_targets_turn_by_turn(target, chats, tmp_pat
             assert row["messages"][position]["content"] == text
 
 
-def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_rows(target, chats, tmp_path):
+def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_rows(
+    target, chats, tmp_path, caplog
+):
     datamodule = data(chats, tmp_path)
     whole = tmp_path / "whole.jsonl"
     with pytest.warns(UserWarning):
@@ -146,9 +151,16 @@ def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_row
         regenerate(
             datamodule, engine(target, datamodule), killed, RegenerateOptions(batch_size=3), resume=True
         )
-    with pytest.warns(UserWarning):
+    stopped_at = json.loads(metadata_path(killed).read_text())["next_batch"]
+    with pytest.warns(UserWarning), caplog.at_level(logging.INFO):
         regenerate(datamodule, engine(target, datamodule), killed, OPTIONS, resume=True, progress=False)
     assert killed.read_text() == whole.read_text()
+    # The resumed run says where it resumed: the batches written before the kill are kept.
+    batches = -(-len(list(datamodule.conversations())) // OPTIONS.batch_size)
+    resumed = (
+        rf"resuming {re.escape(str(killed))} at batch {stopped_at} of {batches}: \d+ rows were written .*"
+    )
+    assert stopped_at > 0 and any(re.fullmatch(resumed, r.getMessage()) for r in caplog.records)
 
     for worker in range(2):
         regenerate(
@@ -158,6 +170,29 @@ def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_row
     merged = merge_shards(tmp_path / "split.jsonl", 2)
     assert (tmp_path / "split.jsonl").read_text() == whole.read_text()
     assert merged["counts"] == json.loads(metadata_path(whole).read_text())["counts"]
+
+
+def test_a_run_logs_its_progress_and_a_second_writer_of_its_output_is_refused(
+    target, chats, tmp_path, caplog
+):
+    datamodule = data(chats, tmp_path)
+    output = tmp_path / "answers.jsonl"
+    with held_by_another_process(output) as holder:
+        with pytest.raises(
+            OutputInUse, match=rf"answers.jsonl is being written by another run \(process {holder.pid} "
+        ):
+            regenerate(datamodule, engine(target, datamodule), output, OPTIONS)
+    assert not output.exists()
+    with pytest.warns(UserWarning), caplog.at_level(logging.INFO):
+        regenerate(datamodule, engine(target, datamodule), output, OPTIONS)  # progress on, stderr no terminal
+    total = len(list(datamodule.conversations()))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+    assert lines[0] == f"regenerate: {total} conversations"
+    assert lines[1].startswith(f"regenerate: {OPTIONS.batch_size}/{total} conversations (")
+    assert re.fullmatch(
+        rf"regenerate: {total}/{total} conversations \(100%\), [\d.]+ conversations/s, [\d.]+ tokens/s, 0 s left",
+        lines[-1],
+    )
 
 
 def test_sampled_answers_depend_on_the_seed_not_on_the_batch(target, chats, tmp_path):
@@ -308,8 +343,11 @@ def test_the_cli_regenerates_checks_and_refuses_an_existing_output(chats, tmp_pa
     cli_main(["regenerate", *common, f"--output={output}", "--max-new-tokens=8", "--limit=3"])
     assert "wrote" in capsys.readouterr().out
     assert len(output.read_text().splitlines()) == 3
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(SystemExit):
         cli_main(["regenerate", *common, f"--output={output}"])
+    assert "regenerate: error: " in capsys.readouterr().err  # the message alone
+    with pytest.raises(FileExistsError, match="--resume"):
+        cli_main(["regenerate", *common, f"--output={output}", "--debug"])
     cli_main(["regenerate", *common, "--check=4"])
     assert "data match: " in capsys.readouterr().out
 

@@ -173,7 +173,11 @@ def test_vocab_mapping_order_coverage_and_offsets():
     assert mapping.t2d.nonzero().flatten().tolist() == [2, 3, 7, 9]
     identity = build_vocab_mapping(counts, draft_vocab_size=None)
     assert identity.selected_token_ids.tolist() == list(range(12)) and identity.coverage == 1.0
-    assert build_vocab_mapping(counts, draft_vocab_size=100).draft_vocab_size == 12
+    assert build_vocab_mapping(counts, draft_vocab_size=12).draft_vocab_size == 12
+    with pytest.raises(
+        ValueError, match="draft_vocab_size = 13 is larger than the target's vocabulary of 12"
+    ):
+        build_vocab_mapping(counts, draft_vocab_size=13)
     with pytest.raises(ValueError, match="all zero"):
         build_vocab_mapping(torch.zeros(12, dtype=torch.long), draft_vocab_size=4)
 

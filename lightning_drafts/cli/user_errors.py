@@ -1,0 +1,98 @@
+"""A user's mistake (a bad option, value, path or file) printed as one short message, not a traceback.
+
+Every subcommand runs through :func:`report_user_errors`. Our errors already say what was wrong, with the
+value and what to write; they used to arrive under a long traceback, and those raised while jsonargparse
+builds a class under its own dump of the union of candidate classes (74 lines for a batch size of 0).
+Here the message of the error that explains the mistake is printed alone: jsonargparse's wrappers are
+unwrapped down to the error raised by the code that judged the value, and the option it names is put
+in front. ``--debug`` (anywhere on the command line) or ``LIGHTNING_DRAFTS_DEBUG=1`` lets the error
+propagate with its traceback; an error that is not a user's mistake (a bug) always does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from lightning_drafts.cli.command_parser import UsageError
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "LIGHTNING_DRAFTS_DEBUG"
+# What a mistake in the command line, a config, a path or a data file raises (OSError: a missing,
+# unreadable or existing file; a full disk).
+USER_ERRORS = (ValueError, OSError, argparse.ArgumentError)
+# Errors raised inside these packages wrap the one that explains the mistake.
+_WRAPPING_PACKAGES = ("jsonargparse", "argparse.py")
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+_GIVEN = re.compile(r"Given value: (.*)")
+_TYPE = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
+
+Result = TypeVar("Result")
+
+
+def debug_requested(args: list[str]) -> tuple[bool, list[str]]:
+    """Whether the traceback is asked for, and ``args`` without :data:`DEBUG_FLAG`."""
+    rest = [arg for arg in args if arg != DEBUG_FLAG]
+    return len(rest) < len(args) or os.environ.get(DEBUG_ENV, "") not in ("", "0"), rest
+
+
+def report_user_errors(command: str, run: Callable[[], Result], debug: bool) -> Result:
+    """``run()``; a user error it raises is printed as ``lightning-drafts COMMAND: error: MESSAGE`` and
+    exits with status 2 (unless ``debug``)."""
+    try:
+        return run()
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        print(f"lightning-drafts {command}: error: {describe(error)}", file=sys.stderr)
+        if not isinstance(error, (argparse.ArgumentError, UsageError)):  # a usage error has no trace to see
+            print(f"(add {DEBUG_FLAG}, or set {DEBUG_ENV}=1, to see the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def describe(error: BaseException) -> str:
+    """The message that explains ``error``: the first error of its chain not raised by a parser wrapping
+    another, prefixed by the option the wrappers name (``model.init_args.mask_token_id``, with the class
+    it belongs to) and followed by the value they name when the message does not."""
+    chain = list(_chain(error))
+    explaining = next((e for e in chain if not _raised_by_wrapper(e)), chain[-1])
+    wrappers = " ".join(str(e) for e in chain[: chain.index(explaining)])
+    message = re.sub(r"^Expected an? ", "expected ", _TYPE.sub(r"\1", str(explaining).strip()))
+    keys = list(dict.fromkeys(_PARSER_KEY.findall(wrappers)))
+    class_path = _CLASS_PATH.search(wrappers)
+    where = ".init_args.".join([keys[0], ".".join(keys[1:])] if len(keys) > 1 and class_path else keys[:1])
+    if class_path:
+        where += f" ({class_path.group(1)})"
+    given = [
+        value for value in _GIVEN.findall(wrappers) if not value.startswith(("Namespace(", "NestedArg("))
+    ]
+    if given and "value" not in message.lower():
+        message += f"; given: {given[0]}"
+    return f"{where}: {message}" if where else message
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+
+
+def _raised_by_wrapper(error: BaseException) -> bool:
+    if error.__cause__ is None and error.__context__ is None:
+        return False  # nothing inside: it is the explanation itself
+    trace = error.__traceback__
+    while trace is not None and trace.tb_next is not None:
+        trace = trace.tb_next
+    if trace is None:
+        return False
+    parts = Path(trace.tb_frame.f_code.co_filename).parts
+    return any(package in parts for package in _WRAPPING_PACKAGES)

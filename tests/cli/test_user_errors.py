@@ -1,0 +1,123 @@
+"""A mistake in an option, a value, a path or a config file prints one short message naming it, with no
+traceback unless asked (--debug or LIGHTNING_DRAFTS_DEBUG=1); a bug keeps its traceback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_drafts.cli.main import main
+from lightning_drafts.cli.user_errors import DEBUG_ENV
+from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
+
+ROOT = Path(__file__).resolve().parents[2]
+EAGLE3 = ROOT / "configs" / "quickstart" / "eagle3.yaml"
+
+
+def console(monkeypatch, *args: str) -> None:
+    """``lightning-drafts ARGS`` as the console script runs it (LightningCLI reads sys.argv)."""
+    monkeypatch.setattr(sys, "argv", ["lightning-drafts", *args])
+    main()
+
+
+def fails(capsys, monkeypatch, *args: str) -> list[str]:
+    """What the command writes to stderr besides Lightning's "Seed set" line; it must exit with status 2
+    and print no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        console(monkeypatch, *args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.strip().splitlines() if not line.startswith("Seed set to")]
+
+
+def fit(tmp_path: Path, *overrides: str) -> list[str]:
+    return ["fit", f"--config={EAGLE3}", f"--data.init_args.cache_dir={tmp_path / 'cache'}", *overrides]
+
+
+def test_a_bad_value_prints_its_own_message_alone(tmp_path, capsys, monkeypatch):
+    lines = fails(capsys, monkeypatch, *fit(tmp_path, "--data.init_args.batch_size=0"))
+    assert lines == [
+        "lightning-drafts fit: error: batch_size=0 must be a positive integer",
+        f"(add --debug, or set {DEBUG_ENV}=1, to see the traceback)",
+    ]
+
+
+def test_debug_or_the_environment_variable_gives_the_traceback(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="batch_size=0 must be a positive integer"):
+        console(monkeypatch, *fit(tmp_path, "--data.init_args.batch_size=0"), "--debug")
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="batch_size=0 must be a positive integer"):
+        console(monkeypatch, *fit(tmp_path, "--data.init_args.batch_size=0"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "--model.init_args.ttt_lenght=3",
+            "model (lightning_drafts.Eagle3Module): Option 'ttt_lenght' is not accepted",
+        ),
+        ("--trainer.max_steps=abc", "trainer.max_steps: expected int. Got value: abc"),
+        (
+            "--model.init_args.ttt_length=many",
+            "model.init_args.ttt_length (lightning_drafts.Eagle3Module): expected int. Got value: many",
+        ),
+        ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+    ],
+)
+def test_a_bad_option_names_the_option_in_one_line(override, message, tmp_path, capsys, monkeypatch):
+    assert fails(capsys, monkeypatch, *fit(tmp_path, override)) == [f"lightning-drafts fit: error: {message}"]
+
+
+def test_a_missing_target_directory_is_named_as_one(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "no-such-model"
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, f"--model.init_args.target={missing}"))
+    assert line.startswith(
+        f"lightning-drafts fit: error: no such directory: {missing} (a target or tokenizer"
+    )
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, "--data.init_args.tokenizer=./no-such-tokenizer"))
+    assert "no such directory: ./no-such-tokenizer" in line
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "broken.yaml"
+    config.write_text("model:\n  class_path: lightning_drafts.Eagle3Module\n   init_args: [\n")
+    (line, _) = fails(capsys, monkeypatch, "fit", f"--config={config}")
+    assert line == (
+        f"lightning-drafts fit: error: {config}:3:13: YAML syntax error: mapping values are not allowed here; "
+        "fix the file there"
+    )
+    (line, _) = fails(capsys, monkeypatch, "evaluate", str(tmp_path), f"--config={config}")
+    assert line.startswith(f"lightning-drafts evaluate: error: {config}:3:13: YAML syntax error")
+
+
+def test_a_subcommand_option_error_is_one_line_not_the_usage(tmp_path, capsys, monkeypatch):
+    (line,) = fails(capsys, monkeypatch, "evaluate", str(tmp_path), "--num-prompts", "0")
+    assert line == (
+        "lightning-drafts evaluate: error: argument --num-prompts: 0 is not a positive count; write an integer "
+        ">= 1 (`lightning-drafts evaluate --help` lists the options)"
+    )
+    (line,) = fails(capsys, monkeypatch, "regenerate", "--config", str(EAGLE3), "--batch-size", "-1")
+    assert "argument --batch-size: -1 is not a positive count" in line
+
+
+def test_prompt_readers_refuse_a_limit_below_one(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[1, 2, 3]\n[4, 5]\n")
+    assert [p.tolist() for p in load_prompts_jsonl(path, 1)] == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="limit = 0; it must be a positive int"):
+        load_prompts_jsonl(path, 0)
+    with pytest.raises(ValueError, match="limit = 0; it must be a positive int"):
+        prompts_from_datamodule(object(), 0)
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken(args: list[str]) -> None:
+        raise TypeError("a bug, not a user's mistake")
+
+    monkeypatch.setattr("lightning_drafts.cli.export.export_main", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        main(["export", "a.ckpt", "out"])
