@@ -1,4 +1,4 @@
-"""The argument parser of the argparse subcommands (capture, export, evaluate, regenerate).
+"""The argument parser of the argparse subcommands (capture, export, evaluate, regenerate, plot).
 
 argparse answers a bad option with the whole usage (twenty lines for ``evaluate``) and exits; this one
 raises :class:`UsageError` instead, which the command prints as its one message

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_drafts.cli.command_parser import CommandParser
+
 Series = list[tuple[int, float]]
 
 LOSS_TAGS = ("train/loss", "val/loss")
@@ -151,7 +153,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path, title: str | None = None)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-drafts plot",
         description="Draw a run's loss, val/accept_len and acceptance-by-position curves from its TensorBoard "
         "event files into PNG files (needs matplotlib: the plot extra).",
