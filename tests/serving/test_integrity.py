@@ -3,6 +3,7 @@ never lands over other files unless asked, and then replaces only export files."
 
 from __future__ import annotations
 
+import re
 import shutil
 import stat
 import zipfile
@@ -122,13 +123,17 @@ def test_flipped_bytes_in_the_adam_state_are_refused_on_resume_naming_it(checkpo
     assert "state_dict" not in str(refused.value)
 
 
-def test_a_checkpoint_of_another_family_is_refused_naming_both(tmp_path):
-    # The config's family differs from the checkpoint's: refused before LightningCLI builds the
-    # checkpoint's family from its hyperparameters instead.
+def test_a_checkpoint_of_another_family_is_refused_naming_both(tmp_path, capsys):
+    # The config's family differs from the checkpoint's: refused (one message, no traceback) before
+    # LightningCLI builds the checkpoint's family from its hyperparameters instead.
     dflash = ROOT / "configs" / "quickstart" / "dflash.yaml"
     eagle3 = ROOT / "tests" / "fixtures" / "layout_d429c0e" / "eagle3.ckpt"
-    with pytest.raises(ValueError, match=r"eagle3.ckpt holds a Eagle3Module draft .* model is DFlashModule"):
+    with pytest.raises(SystemExit) as exit_:
         main(["validate", f"--config={dflash}", f"--ckpt_path={eagle3}", "--trainer.logger=false"])
+    assert exit_.value.code == 2
+    assert re.search(
+        r"eagle3.ckpt holds a Eagle3Module draft .* model is DFlashModule", capsys.readouterr().err
+    )
     # A module asked to restore another family's checkpoint (fit --ckpt_path last finds one) refuses too.
     with pytest.raises(ValueError, match=r"holds a DFlashModule draft .* model is NextTokenProbe"):
         trainer(tmp_path, 1).fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=OLD_CHECKPOINT)
