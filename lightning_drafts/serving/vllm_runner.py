@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 # Offline LLM(...) must not spawn an engine process that re-imports this script without a __main__ guard,
@@ -48,6 +49,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 REQUIRED = ("target", "prompts", "max_new_tokens")
+# vLLM's name of its reference MLA backend on CPU.
+REFERENCE_CPU_MLA = "CPU_MLA"
 
 
 def _engine_arguments(request: dict[str, Any]) -> dict[str, Any]:
@@ -66,15 +69,35 @@ def _engine_arguments(request: dict[str, Any]) -> dict[str, Any]:
     }
     if request.get("max_model_len") is not None:
         arguments["max_model_len"] = int(request["max_model_len"])
+    # On a CPU with AMX tiles vLLM's CPU build prefers its AMX MLA backend, whose kernels take bfloat16,
+    # float16 or int8 weights only: a float32 MLA target or draft then fails to load ("expect weight to be
+    # bfloat16, ..."). Its reference CPU MLA backend serves every dtype; the draft chooses its own.
+    if _needs_reference_cpu_mla(request["target"], arguments["dtype"]):
+        arguments["attention_config"] = {"backend": REFERENCE_CPU_MLA}
     if request.get("draft") is not None:
         arguments["speculative_config"] = {
             "method": request["method"],
             "model": request["draft"],
             "num_speculative_tokens": int(request["num_speculative_tokens"]),
         }
+        if _needs_reference_cpu_mla(request["draft"], arguments["dtype"]):
+            arguments["speculative_config"]["attention_backend"] = REFERENCE_CPU_MLA
         # Per-request, per-round accepted / drafted counts ("detailed"): the report needs rounds per prompt.
         arguments["per_request_spec_decode_metrics"] = "detailed"
     return arguments
+
+
+def _needs_reference_cpu_mla(model: str, dtype: str) -> bool:
+    """Whether vLLM (on CPU) must be told to serve the MLA model in directory ``model`` with its reference
+    backend."""
+    if dtype not in ("float32", "torch.float32"):
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    config = Path(model) / "config.json"
+    return config.is_file() and "kv_lora_rank" in json.loads(config.read_text())
 
 
 def _counters(metrics: list[Any]) -> tuple[int, list[int]]:
