@@ -150,11 +150,7 @@ class LoaderState:
     def prepare(self, dataset: PackedEpochDataset, pending: dict[str, Any] | None = None) -> tuple[int, int]:
         """Set ``dataset`` to the epoch the next iteration runs (so that its length is that epoch's before
         the iteration starts) and return ``(epoch, micro-batches already run)``; changes no state."""
-        epoch, skip, consumed = self._resume_point(
-            dataset.identity(),
-            dataset.plan_kwargs["world_size"],
-            self._pending if pending is None else pending,
-        )
+        epoch, skip, consumed = self._resume_point(dataset, self._pending if pending is None else pending)
         if consumed is None:
             # A position saved before consumed units were recorded: meaningful at its own world size only.
             dataset.start, dataset.skip = 0, 0
@@ -163,9 +159,10 @@ class LoaderState:
         return epoch, skip
 
     def _resume_point(
-        self, identity: dict[str, Any], world_size: int, pending: dict[str, Any] | None
+        self, dataset: PackedEpochDataset, pending: dict[str, Any] | None
     ) -> tuple[int, int, int | None]:
         """``(epoch, micro-batches already run, units already consumed or None if not recorded)``."""
+        identity, world_size = dataset.identity(), dataset.plan_kwargs["world_size"]
         trainer = self._fitting_trainer()
         if trainer is not None:
             epoch = int(trainer.current_epoch)
@@ -191,6 +188,12 @@ class LoaderState:
                     f"written on {saved_world_size} by a release that did not record the documents consumed; "
                     f"resume on {saved_world_size} ranks, or from an end-of-epoch checkpoint"
                 )
+            plan = dataset.plan(epoch)
+            if skip >= len(plan) if consumed is None else int(consumed) >= int(plan.units_after[-1]):
+                # Saved after the epoch's last micro-batch (an end-of-epoch checkpoint): Lightning resumes into
+                # the next epoch, and draws that epoch's batches from the iterator it made before it moved its
+                # epoch counter on, so the next epoch must start here and not from the finished one.
+                return epoch + 1, 0, 0
         return epoch, skip, consumed
 
     def state_dict(self) -> dict[str, Any]:

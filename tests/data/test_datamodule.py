@@ -389,6 +389,16 @@ def test_resume_through_lightning_checkpoint(make, tmp_path):
     assert torch.load(checkpoint, weights_only=False)["PackedChatDataModule"]["position"] == 5
     assert full[:5] + fit(ckpt_path=str(checkpoint)) == full
 
+    # A checkpoint written at the end of epoch 0 resumes into all of epoch 1 (not into the finished epoch 0,
+    # which would leave epoch 1 with no batch at all).
+    epoch_end = ModelCheckpoint(
+        dirpath=tmp_path / "epoch-end", save_on_train_epoch_end=True, filename="{epoch}", save_top_k=-1
+    )
+    assert fit(callbacks=[epoch_end]) == full
+    saved = torch.load(tmp_path / "epoch-end" / "epoch=0.ckpt", weights_only=False)["PackedChatDataModule"]
+    resumed = fit(ckpt_path=str(tmp_path / "epoch-end" / "epoch=0.ckpt"))
+    assert saved["epoch"] == 0 and full[: saved["position"]] + resumed == full
+
 
 @pytest.mark.parametrize("packing", ["buffer", "microbatch", False])
 def test_ranks_are_disjoint_and_cover_every_document(make, packing):
