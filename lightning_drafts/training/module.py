@@ -26,6 +26,7 @@ from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family, record_digests
 from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
 from lightning_drafts.training.remote_target import RemoteTarget
+from lightning_drafts.training.step_draws import run_seed, step_generator
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
 from lightning_drafts.training.unit_ledger import Unit
 
@@ -372,18 +373,34 @@ class DraftModule(L.LightningModule):
             self.log(
                 "target/units_in_flight", float(self.remote_target.ledger.units), on_step=True, on_epoch=False
             )
-        return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train", batch_idx)
 
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
-        return self._shared_step(self.with_remote_features(batch), "val")
+        return self._shared_step(self.with_remote_features(batch), "val", batch_idx)
 
     def register_ratio_metrics(self, names: Iterable[str]) -> None:
         """Declare the metrics a family's ``DraftOutput.sums`` carries (call at the end of ``__init__``):
         each is logged as the ratio of its sums over steps and ranks, not as a per-step mean."""
         self.ratio_metrics = ratio_metrics(names)
 
-    def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
-        output = self.compute_loss(batch)
+    @property
+    def draws(self) -> torch.Generator | None:
+        """The generator of the running step's random draws (anchors, variable prefixes): seeded by the run's
+        seed, the stage, the global step, the rank and the micro-batch (:mod:`lightning_drafts.training.step_draws`),
+        so a resumed run draws what the uninterrupted one drew. ``None`` outside a training or validation step
+        (``compute_loss`` called directly draws from the global RNG)."""
+        return getattr(self, "_draws", None)
+
+    def _shared_step(self, batch: Mapping[str, Tensor], stage: str, batch_idx: int) -> dict[str, Any]:
+        trainer = self.trainer
+        # A step's micro-batches are told apart by their place in its gradient accumulation; validation's
+        # by their index (the global step stays put while it runs).
+        micro_batch = batch_idx % trainer.accumulate_grad_batches if stage == "train" else batch_idx
+        self._draws = step_generator(run_seed(), stage, trainer.global_step, trainer.global_rank, micro_batch)
+        try:
+            output = self.compute_loss(batch)
+        finally:
+            self._draws = None
         real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
         self._log_loss(stage, output)
         for name, value in output.metrics.items():
