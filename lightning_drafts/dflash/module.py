@@ -189,7 +189,7 @@ class DFlashModule(DraftModule):
         ``variable_prefix``, ``prefix_lengths`` ``[B, N]`` aligned with them)."""
         packed = self.prepare_batch(batch)
         if anchors is None:
-            anchors = self.sample_anchors(packed)
+            anchors = self.sample_anchors(packed, self.draws)
         else:
             anchors = check_anchors(packed, anchors, self.block_size)
         layout = block_layout(packed, anchors, self.block_size)
@@ -238,7 +238,11 @@ class DFlashModule(DraftModule):
             if layout.num_blocks == 0:
                 return torch.ones_like(layout.anchors)
             return sample_prefix_lengths(
-                layout.num_blocks, self.block_size, self.prefix_weight_base, device=layout.anchors.device
+                layout.num_blocks,
+                self.block_size,
+                self.prefix_weight_base,
+                generator=self.draws,
+                device=layout.anchors.device,
             )
         return check_prefix_lengths(prefix_lengths, anchors, self.block_size)[layout.rows, layout.slots]
 

@@ -209,7 +209,7 @@ class DSparkModule(DraftModule):
         """The objective on one micro-batch; deterministic given ``anchors`` (``[B, N]``, -1 = none)."""
         packed = self.prepare_batch(batch)
         if anchors is None:
-            anchors = self.sample_anchors(packed)
+            anchors = self.sample_anchors(packed, self.draws)
         else:
             anchors = check_anchors(packed, anchors, self.block_size, partial_blocks=True)
         layout = block_layout(packed, anchors, self.block_size)

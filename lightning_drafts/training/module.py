@@ -26,6 +26,7 @@ from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family, record_digests
 from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
 from lightning_drafts.training.remote_target import RemoteTarget
+from lightning_drafts.training.step_draws import run_seed, step_generator
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
 from lightning_drafts.training.unit_ledger import Unit
 
@@ -319,9 +320,10 @@ class DraftModule(L.LightningModule):
             self._features_checked = key
 
     def _check_fsdp1_units(self) -> None:
-        """Under ``FSDPStrategy`` (FSDP1) the target's decoder layers must be FSDP units of their own: a
-        checkpoint leaves them out of the module's state dict (:meth:`FrozenTarget.state_dict`), which FSDP1
-        allows for whole units only (it refuses, at the first save, a unit whose parameters are missing)."""
+        """Under ``FSDPStrategy`` (FSDP1) the target's decoder layers must be FSDP units of their own: the
+        module's state dict leaves the target out (:meth:`FrozenTarget.state_dict`), which FSDP1 allows for
+        whole units only (it refuses, at the first save, a unit whose parameters are missing; the rest of the
+        target is FSDP-ignored, :meth:`_keep_target_out_of_fsdp1_units`)."""
         from lightning.pytorch.strategies import FSDPStrategy
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -372,18 +374,34 @@ class DraftModule(L.LightningModule):
             self.log(
                 "target/units_in_flight", float(self.remote_target.ledger.units), on_step=True, on_epoch=False
             )
-        return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train", batch_idx)
 
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
-        return self._shared_step(self.with_remote_features(batch), "val")
+        return self._shared_step(self.with_remote_features(batch), "val", batch_idx)
 
     def register_ratio_metrics(self, names: Iterable[str]) -> None:
         """Declare the metrics a family's ``DraftOutput.sums`` carries (call at the end of ``__init__``):
         each is logged as the ratio of its sums over steps and ranks, not as a per-step mean."""
         self.ratio_metrics = ratio_metrics(names)
 
-    def _shared_step(self, batch: Mapping[str, Tensor], stage: str) -> dict[str, Any]:
-        output = self.compute_loss(batch)
+    @property
+    def draws(self) -> torch.Generator | None:
+        """The generator of the running step's random draws (anchors, variable prefixes): seeded by the run's
+        seed, the stage, the global step, the rank and the micro-batch (:mod:`lightning_drafts.training.step_draws`),
+        so a resumed run draws what the uninterrupted one drew. ``None`` outside a training or validation step
+        (``compute_loss`` called directly draws from the global RNG)."""
+        return getattr(self, "_draws", None)
+
+    def _shared_step(self, batch: Mapping[str, Tensor], stage: str, batch_idx: int) -> dict[str, Any]:
+        trainer = self.trainer
+        # A step's micro-batches are told apart by their place in its gradient accumulation; validation's
+        # by their index (the global step stays put while it runs).
+        micro_batch = batch_idx % trainer.accumulate_grad_batches if stage == "train" else batch_idx
+        self._draws = step_generator(run_seed(), stage, trainer.global_step, trainer.global_rank, micro_batch)
+        try:
+            output = self.compute_loss(batch)
+        finally:
+            self._draws = None
         real = batch["attention_mask"].shape[0] if "attention_mask" in batch else None
         self._log_loss(stage, output)
         for name, value in output.metrics.items():
@@ -478,6 +496,7 @@ class DraftModule(L.LightningModule):
             self._checkpointing_applied = True
         # Called again by every run (and by load_from_checkpoint, without a trainer): shard on the first
         # call that has a device mesh, whatever ran before it.
+        self._keep_target_out_of_fsdp1_units()
         if self.device_mesh is None:
             if self.hparams.shard_target and self._trainer is not None:
                 raise ValueError(
@@ -489,6 +508,29 @@ class DraftModule(L.LightningModule):
         if not getattr(self, "_fsdp_applied", False):
             self._shard(draft_roots, self.device_mesh["data_parallel"])
             self._fsdp_applied = True
+
+    def _keep_target_out_of_fsdp1_units(self) -> None:
+        """Under ``FSDPStrategy`` (FSDP1), the target's embedding, final norm and LM head are FSDP-ignored
+        modules: whole on every rank's device as under DDP or FSDP2, in no flat parameter. In the root unit's
+        flat parameter beside the draft, every full-state-dict save would unshard them and copy them to rank
+        0's CPU (~2 GB of Llama-3.1-8B's embedding and LM head in bf16) before the checkpoint dropped them.
+        FSDP does not move ignored modules, so they are moved to the rank's device here."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is None or not isinstance(self.trainer.strategy, FSDPStrategy):
+            return
+        strategy = self.trainer.strategy
+        # FSDP takes one of the two arguments, and ignored states of one kind; a user's own are kept. Ignored
+        # as parameters unless the user gave modules (an ignored module takes its whole subtree with it).
+        key = "ignored_modules" if strategy.kwargs.get("ignored_modules") is not None else "ignored_states"
+        ignored = list(strategy.kwargs.get(key) or ())
+        as_modules = any(isinstance(item, torch.nn.Module) for item in ignored)
+        for module in self.target.outside_decoder():
+            module.to(strategy.root_device)
+            for item in [module] if as_modules else module.parameters(recurse=False):
+                if not any(item is other for other in ignored):  # a tied LM head is the embedding
+                    ignored.append(item)
+        strategy.kwargs[key] = ignored
 
     def _shard(self, draft_roots: list[torch.nn.Module], data_parallel: Any) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -544,8 +586,10 @@ class DraftModule(L.LightningModule):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        # Checkpoints hold only the draft: the target keeps the weights it was built with, and strict
-        # loading asks for every key but the target's.
+        # Checkpoints hold only the draft: the target keeps the weights it was built with (the target keys
+        # of a checkpoint written before the target was left out of state dicts are passed over), and
+        # strict loading asks for every key but the target's.
+        state_dict = {key: value for key, value in state_dict.items() if not key.startswith(TARGET_PREFIX)}
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         missing = [key for key in result.missing_keys if not key.startswith(TARGET_PREFIX)]
         if strict and (missing or result.unexpected_keys):

@@ -190,29 +190,22 @@ class FrozenTarget(nn.Module):
     def state_dict(
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
-        """Everything but the decoder layers, which no checkpoint holds: left unvisited, a strategy never
-        gathers them to save them (FSDP1's full state dict unshards each FSDP unit it visits, FSDP2's
-        full state dict gathers and copies to the CPU every tensor it is handed: ~14 GB of a Llama-3.1-8B's
-        16 GB of bf16 weights, which ``on_save_checkpoint`` would then drop). The embedding, final norm
-        and LM head stay (under FSDP1 they share the root's FSDP unit with the draft, which expects them).
-        ``self.model.state_dict()`` still holds the whole model."""
-        if destination is None:
-            destination = OrderedDict()
-        skipped = self.decoder_layers
-        path = next(name for name, module in self.named_modules() if module is skipped).split(".")
-        around = {id(self.get_submodule(".".join(path[:depth]))) for depth in range(len(path))}
+        """Nothing: no checkpoint holds the frozen target (it is rebuilt from its spec), so no module under it
+        is visited and a strategy never gathers or copies a target tensor to save it. FSDP1's full state dict
+        unshards each FSDP unit it visits and copies it to rank 0's CPU; FSDP2's (``get_model_state_dict``)
+        gathers and copies every tensor it is handed: for Llama-3.1-8B ~16 GB of bf16 weights that
+        ``on_save_checkpoint`` would then drop. ``self.model.state_dict()`` still holds the whole model."""
+        return OrderedDict() if destination is None else destination
 
-        def visit(module: nn.Module, module_prefix: str) -> None:
-            if id(module) not in around:
-                module.state_dict(destination=destination, prefix=module_prefix, keep_vars=keep_vars)
-                return
-            module._save_to_state_dict(destination, module_prefix, keep_vars)
-            for name, child in module._modules.items():
-                if child is not None and child is not skipped:
-                    visit(child, f"{module_prefix}{name}.")
-
-        visit(self, prefix)
-        return destination
+    def outside_decoder(self) -> list[nn.Module]:
+        """The modules holding the target's parameters outside its decoder layers (embedding, final norm, LM
+        head): what the trainer's process keeps whole when the decoder layers are sharded or released."""
+        decoder = {id(module) for module in self.decoder_layers.modules()}
+        return [
+            module
+            for module in self.model.modules()
+            if id(module) not in decoder and next(module.parameters(recurse=False), None) is not None
+        ]
 
     @property
     def config(self) -> Any:

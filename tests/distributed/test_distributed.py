@@ -13,7 +13,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.builders import TINY_TARGETS
 from tests.hang_guard import HANG_GUARD_S
+from tests.probe_draft import NextTokenProbe
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIP = 0.05  # tests/scripts/distributed_grads.py's gradient_clip_val
@@ -49,21 +51,26 @@ def test_fsdp2_trains_saves_a_target_free_checkpoint_and_resumes(tmp_path):
     run_script("fsdp2_train.py", str(tmp_path), "train")
     checkpoint = torch.load(tmp_path / "fsdp2.ckpt", weights_only=False)
     assert set(checkpoint["state_dict"]) == {"head.weight", "head.bias"}
-    # The save never gathers the target's (sharded) decoder layers; its embedding, norm and LM head it
-    # still visits, then drops.
-    visited = [
-        "target.model.lm_head.weight",
-        "target.model.model.embed_tokens.weight",
-        "target.model.model.norm.weight",
-    ]
+    # The save gathers no target tensor: neither the (sharded) decoder layers nor the embedding, final
+    # norm and LM head are in the strategy's state dict.
     assert json.loads((tmp_path / "train.json").read_text()) == {
         "global_step": 3,
         "param_type": "DTensor",
-        "gathered_target": visited,
+        "gathered_target": [],
     }
 
+    # A checkpoint written while state dicts still held the target (its keys, no whole-checkpoint digest)
+    # resumes too, from its draft weights.
+    target = NextTokenProbe(TINY_TARGETS["llama"]).target.model.state_dict()
+    checkpoint["state_dict"].update({f"target.model.{k}": v for k, v in target.items()})
+    del checkpoint["checkpoint_digest"]
+    torch.save(checkpoint, tmp_path / "fsdp2.ckpt")
     run_script("fsdp2_train.py", str(tmp_path), "resume")
-    assert json.loads((tmp_path / "resume.json").read_text())["global_step"] == 5
+    resumed = json.loads((tmp_path / "resume.json").read_text())
+    assert resumed["global_step"] == 5
+    for name, value in checkpoint["state_dict"].items():
+        if not name.startswith("target."):
+            assert torch.equal(torch.tensor(resumed["start"][name]), value), name
 
 
 DRAFTS = ("eagle3", "mla_eagle3", "dflash", "dflash2", "dspark")
@@ -104,6 +111,10 @@ def check_against_ddp(tmp_path: Path, draft: str, sharded: str) -> None:
     saved = {s: torch.load(tmp_path / s / f"{draft}.ckpt", weights_only=False) for s in ("ddp", sharded)}
     assert not [k for k in saved[sharded]["state_dict"] if k.startswith("target.")], draft
     assert set(saved[sharded]["state_dict"]) == set(saved["ddp"]["state_dict"]), draft
+    # No save gathers a target tensor: none is in the strategy's state dict, none in FSDP1's root unit.
+    for strategy in ("ddp", sharded):
+        gathered = json.loads((tmp_path / strategy / f"{draft}-gathered.json").read_text())
+        assert gathered == {"state_dict": [], "root_flat_parameter": []}, (draft, strategy)
     # Both steps started from the same weights.
     for name, value in ddp["weights_before"].items():
         torch.testing.assert_close(other["weights_before"][name], value, rtol=0, atol=0, msg=name)
@@ -124,6 +135,11 @@ def check_against_ddp(tmp_path: Path, draft: str, sharded: str) -> None:
     for strategy in ("ddp", sharded):
         resumed = torch.load(tmp_path / strategy / f"{draft}-resumed.ckpt", weights_only=False)
         assert resumed["global_step"] == 2, (draft, strategy)
+        # The resumed fit starts from the saved weights, bit for bit.
+        start = torch.load(tmp_path / strategy / f"{draft}-resumed-start.pt")
+        assert start.keys() == ddp["grads"].keys(), (draft, strategy)
+        for name, value in start.items():
+            assert torch.equal(value, saved[strategy]["state_dict"][name]), (draft, strategy, name)
     if sharded == "fsdp1":
         return  # FSDPStrategy validates inside fit only (tests/scripts/distributed_grads.py)
     val = {s: json.loads((tmp_path / s / f"{draft}-val.json").read_text()) for s in ("ddp", sharded)}

@@ -1,7 +1,8 @@
 """Preemption: a 2-process CPU fit (gloo DDP) stopped by SIGTERM or killed by SIGKILL at a chosen step,
 resumed with `fit --ckpt_path last`, trains exactly as a fit that was never interrupted: the same loss at
 every step on every rank and the same final weights, bit for bit (one thread per process, so every
-reduction runs in the same order), logged into the same TensorBoard run."""
+reduction runs in the same order), logged into the same TensorBoard run. For EAGLE-3, and for the block
+drafts (DFlash, DSpark), whose anchors and variable prefixes are random draws of every step."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ STEPS = 6
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def fit(out: Path, launch: str, devices: int, *extra: str) -> subprocess.CompletedProcess:
+def fit(
+    out: Path, launch: str, devices: int, *extra: str, family: str = "eagle3"
+) -> subprocess.CompletedProcess:
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), launch, str(devices), str(STEPS), "--", *extra],
+        [sys.executable, str(SCRIPT), str(out), family, launch, str(devices), str(STEPS), "--", *extra],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
@@ -42,7 +45,9 @@ def fit(out: Path, launch: str, devices: int, *extra: str) -> subprocess.Complet
     return run
 
 
-def interrupted_fit(out: Path, devices: int, step: int, signum: int, *extra: str) -> tuple[int, str]:
+def interrupted_fit(
+    out: Path, devices: int, step: int, signum: int, *extra: str, family: str = "eagle3"
+) -> tuple[int, str]:
     """A fit held at ``step`` and then signalled (SIGTERM / SIGINT: its launching process, as a scheduler
     or a terminal does) or killed (SIGKILL: every process); its exit status and output."""
     until = "kill" if signum == signal.SIGKILL else "signal"
@@ -54,6 +59,7 @@ def interrupted_fit(out: Path, devices: int, step: int, signum: int, *extra: str
                 sys.executable,
                 str(SCRIPT),
                 str(out),
+                family,
                 "cut",
                 str(devices),
                 str(STEPS),
@@ -86,7 +92,9 @@ def steps(out: Path, launch: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def assert_continues(reference: Path, out: Path, ranks: int, resumed_from: int) -> None:
+def assert_continues(
+    reference: Path, out: Path, ranks: int, resumed_from: int, family: str = "eagle3"
+) -> None:
     for rank in range(ranks):
         expected = steps(reference, "ref", rank)
         assert [r["step"] for r in expected] == list(range(1, STEPS + 1))
@@ -100,7 +108,7 @@ def assert_continues(reference: Path, out: Path, ranks: int, resumed_from: int) 
     for name, tensor in uninterrupted.items():
         assert torch.equal(final[name], tensor), name
     # One TensorBoard run holds the whole curve: the resumed fit logged into version_0, not version_1.
-    runs = out / "runs" / "eagle3"
+    runs = out / "runs" / family
     assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
     events = EventAccumulator(str(runs / "version_0"))
     events.Reload()
@@ -132,6 +140,24 @@ def test_sigkill_loses_only_the_steps_after_the_last_checkpoint(reference, tmp_p
     assert returncode == -signal.SIGKILL
     fit(tmp_path, "resume", 2, "--ckpt_path=last")
     assert_continues(reference, tmp_path, 2, resumed_from=4)
+
+
+@pytest.mark.parametrize(
+    ("family", "signum", "held_at", "resumed_from"),
+    # DFlash2 draws through DFlash's code (a subclass): its own three fits would add minutes, not a path.
+    [("dflash", signal.SIGKILL, 5, 4), ("dspark", signal.SIGTERM, 3, 3)],
+)
+def test_a_block_draft_resumed_after_preemption_draws_what_the_uninterrupted_fit_drew(
+    tmp_path, family, signum, held_at, resumed_from
+):
+    """Anchors (and DFlash's variable prefixes) are drawn every step; the resumed fit draws the same ones
+    as a fit never interrupted, so its losses and final weights are that fit's, bit for bit."""
+    reference = tmp_path / "uninterrupted"
+    fit(reference, "ref", 2, family=family)
+    returncode, log = interrupted_fit(tmp_path / "cut", 2, held_at, signum, family=family)
+    assert returncode == (-signum if signum == signal.SIGKILL else 128 + signum), log[-5000:]
+    fit(tmp_path / "cut", "resume", 2, "--ckpt_path=last", family=family)
+    assert_continues(reference, tmp_path / "cut", 2, resumed_from=resumed_from, family=family)
 
 
 def train_documents(out: Path) -> Counter:

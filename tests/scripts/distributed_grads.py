@@ -4,8 +4,8 @@ Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2 | fsdp1)
 
 Writes ``OUT_DIR/{draft}.pt`` (the gradients, the weights they were taken at, the optimizer's settings and
 whether the target's layers were sharded), the
-validation metrics (not under FSDP1) and the checkpoint after that step, and the checkpoint of a second step resumed
-from it. Under FSDP2
+validation metrics (not under FSDP1), the target tensors a save would gather (``{draft}-gathered.json``) and the
+checkpoint after that step, and the weights a second step resumed from it starts from and its checkpoint. Under FSDP2
 (ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
 block drafts also chunk their vocabulary terms (gradients taken inside forward, handed to the weights
 FSDP2 unshards); under DDP they compute them in one piece. Same seeds and data, so the two strategies
@@ -24,9 +24,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.distributed.fsdp import FullStateDictConfig, OptimStateKeyType, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.api import FullOptimStateDictConfig
 from torch.distributed.tensor import DTensor
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -38,6 +36,7 @@ from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.eagle3.module import MLAEagle3Module
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.builders import TINY_TARGETS, packed_row, stack_rows
+from tests.cpu_fsdp1 import CPUFSDPStrategy
 
 EAGLE3 = ("eagle3", "mla_eagle3")
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 3}
@@ -90,6 +89,31 @@ class SaveGradients(L.Callback):
             )
 
 
+class SaveWeightsAtStart(L.Callback):
+    """The trainable weights a (resumed) fit starts from: those of the checkpoint it resumed."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, module) -> None:
+        weights = full_parameters(trainer, module, grads=False)
+        if trainer.is_global_zero:
+            torch.save(weights, self.out)
+
+
+def target_in_saves(trainer: L.Trainer) -> dict[str, list[str]]:
+    """The target's tensors a save would gather: its keys in the strategy's state dict (a collective: every
+    rank calls it), and under FSDP1 its parameters inside the root unit's flat parameter, which a full state
+    dict unshards whatever keys the module's state dict then returns."""
+    state = trainer.strategy.lightning_module_state_dict()
+    flat = []
+    if isinstance(trainer.strategy, FSDPStrategy):
+        flat = [
+            name for name in trainer.strategy.model._handle.flat_param._fqns if name.startswith("target.")
+        ]
+    return {"state_dict": sorted(k for k in state if k.startswith("target.")), "root_flat_parameter": flat}
+
+
 def full_parameters(trainer: L.Trainer, module: L.LightningModule, grads: bool) -> dict[str, torch.Tensor]:
     """Every trainable parameter (or its gradient) whole, by its name in the module; collectives under
     FSDP1 and FSDP2, so every rank calls it."""
@@ -110,45 +134,6 @@ def full_parameters(trainer: L.Trainer, module: L.LightningModule, grads: bool) 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a (possibly FSDP2-sharded) parameter or gradient; a collective under FSDP2."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's ``FSDPStrategy`` with the two arguments torch's FSDP1 needs on a CPU, the rest as is:
-    the CPU as the FSDP device (Lightning passes ``device_id=None`` there, which FSDP1 refuses: "FSDP
-    needs a non-CPU accelerator device"), and full state dicts without ``offload_to_cpu`` (on tensors
-    already on the CPU, FSDP1 frees the storage the copy shares and the save segfaults)."""
-
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if any(isinstance(module, FSDP) for module in model.modules()):
-            return super()._setup_model(model)  # wrapped by an earlier run: Lightning wraps nothing more
-        return FSDP(
-            module=model,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=torch.device("cpu"),
-            **self.kwargs,
-        )
-
-    def _full_state_dicts(self):
-        return FSDP.state_dict_type(
-            self.model,
-            StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
-            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
-        )
-
-    def lightning_module_state_dict(self) -> dict:
-        with self._full_state_dicts():
-            return self.model.state_dict()
-
-    def optimizer_state(self, optimizer) -> dict:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        with self._full_state_dicts():
-            state = FSDP.optim_state_dict(self.model, optimizer)
-            if self.global_rank == 0:
-                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
-            return state
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -211,15 +196,18 @@ def step_save_resume(out: Path, draft: str, strategy: str) -> None:
     first = trainer(strategy, 1, [SaveGradients(out / f"{draft}.pt")])
     module = build(draft, strategy)
     first.fit(module, loader())
+    gathered = target_in_saves(first)
+    if first.is_global_zero:
+        (out / f"{draft}-gathered.json").write_text(json.dumps(gathered))
     # FSDPStrategy cannot validate a module a finished fit left wrapped (its root's parameters stay empty
     # shards and Lightning wraps only a module without FSDP units): FSDP1 validates inside fit.
     if strategy != "fsdp1":
-        L.seed_everything(1)  # the same anchors on each rank under both strategies
+        L.seed_everything(1)  # the seed of validation's anchors, the same under both strategies
         (metrics,) = first.validate(module, loader(), verbose=False)
         if first.is_global_zero:
             (out / f"{draft}-val.json").write_text(json.dumps({k: float(v) for k, v in metrics.items()}))
     first.save_checkpoint(out / f"{draft}.ckpt")
-    second = trainer(strategy, 2, [])
+    second = trainer(strategy, 2, [SaveWeightsAtStart(out / f"{draft}-resumed-start.pt")])
     second.fit(build(draft, strategy), loader(), ckpt_path=out / f"{draft}.ckpt")
     second.save_checkpoint(out / f"{draft}-resumed.ckpt")
 

@@ -1,6 +1,7 @@
 """Train a draft with FSDP2 (ModelParallelStrategy, gloo, 2 CPU processes), save, then resume.
 
-Usage: fsdp2_train.py OUT_DIR PHASE   (PHASE = "train" writes a checkpoint, "resume" continues it)
+Usage: fsdp2_train.py OUT_DIR PHASE   (PHASE = "train" writes a checkpoint, "resume" continues it and
+records the weights it started from)
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader([{k: v[0] for k, v in r.items()} for r in rows], batch_size=1)
 
 
+class StartWeights(L.Callback):
+    """The draft's weights, whole, as the fit starts (after a resume: as loaded from the checkpoint)."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # full_tensor is a collective: every rank gathers.
+        self.weights = {name: p.full_tensor().tolist() for name, p in module.head.named_parameters()}
+        self.weights = {f"head.{name}": value for name, value in self.weights.items()}
+
+
 def main(out: Path, phase: str) -> None:
     module = NextTokenProbe(TINY_TARGETS["llama"], shard_target=True)
     strategy = ModelParallelStrategy(
@@ -41,6 +51,8 @@ def main(out: Path, phase: str) -> None:
         enable_model_summary=False,
     )
     ckpt = out / "fsdp2.ckpt"
+    start = StartWeights()
+    trainer.callbacks.append(start)
     trainer.fit(module, loader(), ckpt_path=ckpt if phase == "resume" else None)
     # What the strategy gathers to rank 0 for a save (a collective: every rank calls it).
     gathered = sorted(k for k in trainer.strategy.lightning_module_state_dict() if k.startswith("target."))
@@ -52,6 +64,7 @@ def main(out: Path, phase: str) -> None:
         (out / f"{phase}.json").write_text(
             json.dumps(
                 {"global_step": trainer.global_step, "param_type": sharded, "gathered_target": gathered}
+                | ({"start": start.weights} if phase == "resume" else {})
             )
         )
 

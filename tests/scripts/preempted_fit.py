@@ -1,10 +1,11 @@
-"""A tiny EAGLE-3 fit through `lightning-drafts fit` on 1 or 2 CPU processes (gloo DDP), recorded step by
-step (tests/step_recorder.py), for the preemption and resume tests.
+"""A tiny fit of one family (eagle3, dflash, dflash2, dspark) through `lightning-drafts fit` on 1 or 2 CPU
+processes (gloo DDP), recorded step by step (tests/step_recorder.py), for the preemption and resume tests.
 
-Usage: preempted_fit.py OUT_DIR LAUNCH DEVICES MAX_STEPS [HOLD_AT_STEP UNTIL] [-- EXTRA FIT ARGS]
+Usage: preempted_fit.py OUT_DIR FAMILY LAUNCH DEVICES MAX_STEPS [HOLD_AT_STEP UNTIL] [-- EXTRA FIT ARGS]
 
-The quickstart config's callbacks and checkpoint policy (best.ckpt + last.ckpt at every validation), its
-shipped tiny target and tokenizer; shrunk data, rows and run length; validation every 2 steps.
+The family's quickstart config: its callbacks and checkpoint policy (best.ckpt + last.ckpt at every
+validation), its shipped tiny target and tokenizer, its draft; shrunk data, rows and run length; validation
+every 2 steps. The block drafts draw their anchors (and DFlash its variable prefixes) every step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from lightning_drafts.cli.main import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def config(out: Path, launch: str, devices: int, max_steps: int, hold: int, until: str) -> dict:
-    config = yaml.safe_load((ROOT / "configs" / "quickstart" / "eagle3.yaml").read_text())
+def config(out: Path, family: str, launch: str, devices: int, max_steps: int, hold: int, until: str) -> dict:
+    config = yaml.safe_load((ROOT / "configs" / "quickstart" / f"{family}.yaml").read_text())
     config["data"]["init_args"].update(
         max_tokens=96, batch_size=2, val_fraction=0.1, max_documents=60, cache_dir=str(out / "cache")
     )
@@ -54,7 +55,14 @@ def config(out: Path, launch: str, devices: int, max_steps: int, hold: int, unti
         }
     )
     config["trainer"]["callbacks"] = callbacks
-    config["model"]["init_args"].update(draft_vocab_size=256)
+    if family == "eagle3":
+        config["model"]["init_args"].update(draft_vocab_size=256)
+    if family != "eagle3":
+        # Fewer anchors per document than its candidates: which ones is a random draw every step.
+        config["model"]["init_args"].update(num_anchors=2)
+    if family == "dflash":
+        # A second random draw per block, from the same generator as the anchors.
+        config["model"]["init_args"].update(variable_prefix=True)
     return config
 
 
@@ -62,9 +70,9 @@ if __name__ == "__main__":
     args, extra = sys.argv[1:], []
     if "--" in args:
         args, extra = args[: args.index("--")], args[args.index("--") + 1 :]
-    out, launch, devices, max_steps = Path(args[0]), args[1], int(args[2]), int(args[3])
-    hold, until = (int(args[4]), args[5]) if len(args) > 4 else (0, "signal")
+    out, family, launch, devices, max_steps = Path(args[0]), args[1], args[2], int(args[3]), int(args[4])
+    hold, until = (int(args[5]), args[6]) if len(args) > 5 else (0, "signal")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"config-{launch}.yaml"
-    path.write_text(yaml.safe_dump(config(out, launch, devices, max_steps, hold, until)))
+    path.write_text(yaml.safe_dump(config(out, family, launch, devices, max_steps, hold, until)))
     main(["fit", f"--config={path}", *extra])
