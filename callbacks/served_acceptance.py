@@ -109,12 +109,28 @@ class ServedAcceptanceCallback(L.Callback):
         pl_module.log("val/served_accept_len", value, on_epoch=True, sync_dist=True, batch_size=1)
 
     def _served_accept_len(self, pl_module: L.LightningModule) -> float | None:
+        target, built = pl_module.target, {}
+        if getattr(target, "decoder_released", False):
+            # The trainer holds no decoder (the target runs on its own workers, or the draft trains from
+            # features): the target is built here, as the run's workers build it, for these few prompts.
+            hparams = pl_module.hparams
+            target = getattr(pl_module, "target_spec", None)
+            if target is None:
+                raise ValueError(
+                    "ServedAcceptanceCallback needs the target to serve with, but the trainer holds none with its "
+                    "decoder and the module was given a model instance; pass the target as a path or config"
+                )
+            built = {
+                "target_seed": hparams.get("target_seed", 0),
+                "target_dtype": hparams.get("target_dtype"),
+            }
         with tempfile.TemporaryDirectory(prefix="served-draft-") as directory:
             pl_module.export(directory)
             report = evaluate_export(
                 directory,
                 self._prompts,
-                target=pl_module.target,
+                target=target,
+                **built,
                 max_new_tokens=self.max_new_tokens,
                 num_steps=self.num_steps,
                 with_training_estimate=False,

@@ -20,6 +20,7 @@ import torch
 
 from lightning_drafts.cli.fit import build_from_config
 from lightning_drafts.core.digest import state_digest
+from lightning_drafts.training.remote_target import start_local_ray
 
 STEPS = 3
 DATA = [
@@ -76,7 +77,7 @@ def main() -> None:
     torch.set_num_threads(1)
     config, out = sys.argv[1], Path(sys.argv[2])
     start = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(2)
     address = ray.get_runtime_context().gcs_address
     reference = run(config, out / "co-located")
     remote = run(
