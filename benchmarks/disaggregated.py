@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
         f"start; units of {args.tokens} tokens at {args.token_ms} ms per token (t_target {t_target:.3f} s), "
         f"t_train {t_train:.3f} s, prefetch 2 W units, {args.hidden} float32 features per token returned"
     )
-    print("\n| workers | steps/s | bound min(W / t_target, 1 / t_train) | of bound | wait per step (s) | source |")
+    print(
+        "\n| workers | steps/s | bound min(W / t_target, 1 / t_train) | of bound | wait per step (s) | source |"
+    )
     print("|---:|---:|---:|---:|---:|---|")
     overheads = []
     for workers in args.workers:

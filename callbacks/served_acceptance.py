@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.prompts import prompts_from_batch
+from lightning_drafts.serving.report import EvaluationReport
 from lightning_drafts.workflows.evaluate import evaluate_export
 
 
@@ -57,6 +58,8 @@ class ServedAcceptanceCallback(L.Callback):
         self.validation_runs = 0
         self._due = False
         self._prompts: list[Tensor] = []
+        # The last evaluation's report (its prompts, the served generations, per-position counts).
+        self.report: EvaluationReport | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -135,6 +138,7 @@ class ServedAcceptanceCallback(L.Callback):
                 num_steps=self.num_steps,
                 with_training_estimate=False,
             )
+        self.report = report
         return report.served.accept_len
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,11 +1,18 @@
 """Disaggregated training checks, run as one process that starts Ray once (tests/training/test_remote_target.py).
 
-``python remote_target_checks.py CONFIG...``: for each quickstart config, a few packed steps with the
-target on 2 Ray workers give the co-located run's per-step losses and final draft digest, bit for bit.
-Then, with the first config: workers SIGKILLed before and after they reply under a cap on bytes in
-flight, and a late unit sent again whose first result arrives as a delayed duplicate, each ending with
-the uninterrupted run's draft; a unit that always fails stops the run naming its documents; a worker of
-another target is refused naming the field. Each check prints ``OK <name>``; any failure exits non-zero.
+``python remote_target_checks.py CONFIG...`` (the five quickstart configs). First, that the library
+imports without Ray. For each config, a few packed steps with the target on 2 Ray workers give the
+co-located run's per-step losses and final draft digest, bit for bit; the validated family (DFlash) also
+gets the co-located `val/` metrics and served acceptance (the same greedy generations). Online, then
+cached: epoch 0 from the workers written into a features directory equal to `lightning-drafts capture`'s,
+epoch 1 from it, the run equal to one whose epoch 1 trained from the capture; a trainer process SIGKILLed
+mid-step (``--crash-child``, on this Ray) resumes from its last and its previous checkpoint to the same
+draft and directory. With the first config: a checkpoint resumed; workers SIGKILLed before, while and
+after they reply under a cap on bytes in flight, and a late unit sent again whose first result arrives as
+a delayed duplicate, each ending with the uninterrupted run's draft; a unit that always fails stops the
+run naming its documents; a worker of another target is refused naming the field. Last, two gloo trainer
+ranks, one worker each, train on exactly their own units. Each check prints ``OK <name>``; any failure
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ import time
 from pathlib import Path
 
 import lightning as L
-import ray
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
@@ -35,6 +41,8 @@ from lightning_drafts.workflows.capture import capture_features
 from tests.hang_guard import HANG_GUARD_S
 
 STEPS = 4
+# Steps of the 2-rank runs.
+RANK_STEPS = 3
 VALIDATED = "configs/quickstart/dflash.yaml"
 DATA = [
     "--data.init_args.max_documents=24",
@@ -116,13 +124,14 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
     """Also saves the first config's remote run at step 2 into ``checkpoints`` (for check_resume)."""
     references = {}
     for config in configs:
-        reference = references[config] = fit(config, callbacks=served(config))
+        served_here, served_there = served(config), served(config)
+        reference = references[config] = fit(config, callbacks=served_here)
         assert len(reference[0]) == STEPS and any(loss > 0 for loss in reference[0]), reference[0]
         saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")
         run = fit(
             config,
             "--model.init_args.target_workers=2",
-            callbacks=[saver] if config == configs[0] else [*served(config)],
+            callbacks=[saver] if config == configs[0] else served_there,
         )
         same(config, reference, run)
         if config == VALIDATED:
@@ -132,12 +141,13 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
             )
             runs = sorted({u.epoch for u in run[2].ledger.consumed if u.split == "val"})
             assert runs == [1, 2], runs
-            # Served acceptance: the export decoded against the target (built in the trainer for it).
+            # Served acceptance: the export decoded against the target (built in the trainer for it): the
+            # same greedy generations (the target's own tokens) and acceptance as co-located.
             served_len = run[3]["val/served_accept_len"]
-            assert served_len == reference[3]["val/served_accept_len"] and served_len >= 1.0, (
-                run[3],
-                reference[3],
-            )
+            assert served_len == reference[3]["val/served_accept_len"], (run[3], reference[3])
+            here, there = served_here[0].report, served_there[0].report
+            assert there.generations == here.generations and there.served == here.served, (there, here)
+            assert there.generated_tokens > 0, there
             print(
                 f"OK validation through the workers: val/loss {run[3]['val/loss']} in runs {runs}, "
                 f"val/served_accept_len {served_len}",
@@ -405,6 +415,8 @@ def check_cache(config: str) -> None:
         flush=True,
     )
 
+    import ray
+
     address = ray.get_runtime_context().gcs_address
     crashed = root / "crashed"
     child = subprocess.run(
@@ -431,10 +443,81 @@ def check_cache(config: str) -> None:
     )
 
 
+class RankRecord(L.Callback):
+    """Each rank of a 2-rank run writes its per-step losses, the units it trained on and its final draft's
+    digest."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        remote = pl_module.remote_target
+        units = [] if remote is None else [vars(u) for u in sorted(remote.ledger.consumed)]
+        record = {"losses": self.losses, "units": units, "digest": state_digest(pl_module.draft_state_dict())}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def two_ranks(config: str, out: Path, *overrides: str) -> list[dict]:
+    out.mkdir(parents=True)
+    L.seed_everything(0, verbose=False)
+    model, data = build_from_config(["--config", config, *DATA, *overrides])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=RANK_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[RankRecord(out)],
+    )
+    trainer.fit(model, datamodule=data)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_two_ranks(config: str) -> None:
+    """Two trainer ranks (DDP on gloo) whose ranks join this Ray (``target_address``) with one worker
+    each: every rank trains on exactly its own units (its rank, every step once) with the co-located
+    rank's per-step losses and draft."""
+    import ray
+
+    out = Path(tempfile.mkdtemp(prefix="remote-target-ranks-"))
+    address = ray.get_runtime_context().gcs_address
+    reference = two_ranks(config, out / "co-located")
+    remote = two_ranks(
+        config,
+        out / "remote",
+        "--model.init_args.target_workers=1",
+        f"--model.init_args.target_address={address}",
+    )
+    for rank in range(2):
+        expected = [
+            {"split": "train", "epoch": 0, "step": s, "rank": rank, "micro": 0} for s in range(RANK_STEPS)
+        ]
+        assert remote[rank]["units"] == expected, (rank, remote[rank]["units"])
+        assert remote[rank]["losses"] == reference[rank]["losses"], (rank, remote, reference)
+        assert remote[rank]["digest"] == reference[rank]["digest"], (rank, remote, reference)
+    assert reference[0]["losses"] != reference[1]["losses"], reference
+    print(
+        f"[{time.monotonic() - START:.0f} s] OK two ranks each trained on their own units exactly", flush=True
+    )
+
+
 def main() -> None:
     if sys.argv[1] == "--crash-child":
         crash_child(*sys.argv[2:])
         return
+    # Everything above is imported (the library, its fit, capture and callbacks), Ray not yet.
+    assert "ray" not in sys.modules, "importing the library imported ray"
+    print("OK the library imports without ray", flush=True)
+    import ray
+
     torch.set_num_threads(1)
     start_local_ray(4)
     configs = sys.argv[1:]
@@ -443,6 +526,7 @@ def main() -> None:
     check_cache(VALIDATED)
     check_resume(configs[0], references[configs[0]], checkpoints)
     check_faults(configs[0], references[configs[0]])
+    check_two_ranks(configs[2])
     ray.shutdown()
 
 
