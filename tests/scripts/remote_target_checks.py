@@ -131,7 +131,7 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
         run = fit(
             config,
             "--model.init_args.target_workers=2",
-            callbacks=[saver] if config == configs[0] else served_there,
+            callbacks=[*([saver] if config == configs[0] else []), *served_there],
         )
         same(config, reference, run)
         if config == VALIDATED:
