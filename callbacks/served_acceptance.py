@@ -16,6 +16,8 @@ from torch import Tensor
 
 from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.prompts import prompts_from_batch
+from lightning_drafts.serving.report import EvaluationReport
+from lightning_drafts.training.target import FrozenTarget
 from lightning_drafts.workflows.evaluate import evaluate_export
 
 
@@ -57,6 +59,8 @@ class ServedAcceptanceCallback(L.Callback):
         self.validation_runs = 0
         self._due = False
         self._prompts: list[Tensor] = []
+        # The last evaluation's report (its prompts, the served generations, per-position counts).
+        self.report: EvaluationReport | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -109,17 +113,43 @@ class ServedAcceptanceCallback(L.Callback):
         pl_module.log("val/served_accept_len", value, on_epoch=True, sync_dist=True, batch_size=1)
 
     def _served_accept_len(self, pl_module: L.LightningModule) -> float | None:
+        target = pl_module.target
+        if getattr(target, "decoder_released", False):
+            target = self._whole_target(pl_module)
         with tempfile.TemporaryDirectory(prefix="served-draft-") as directory:
             pl_module.export(directory)
             report = evaluate_export(
                 directory,
                 self._prompts,
-                target=pl_module.target,
+                target=target,
                 max_new_tokens=self.max_new_tokens,
                 num_steps=self.num_steps,
                 with_training_estimate=False,
             )
+        self.report = report
         return report.served.accept_len
+
+    def _whole_target(self, pl_module: L.LightningModule) -> FrozenTarget:
+        """The trainer holds no decoder (the target runs on its own workers, or the draft trains from
+        features): the target is built here as the workers build it, for these few prompts, and must be
+        the trainer's (its identity: config, dtype, sizes, embedding and LM head digest)."""
+        spec = getattr(pl_module, "target_spec", None)
+        if spec is None:
+            raise ValueError(
+                "ServedAcceptanceCallback needs the target to serve with, but the trainer holds none with its "
+                "decoder and the module was given a model instance; pass the target as a path or config"
+            )
+        hparams = pl_module.hparams
+        built = FrozenTarget(spec, dtype=hparams.get("target_dtype"), seed=hparams.get("target_seed", 0))
+        mine, theirs = pl_module.target.identity(), built.identity()
+        for field, value in mine.items():
+            if theirs.get(field) != value:
+                raise ValueError(
+                    f"the target built to serve the draft differs from the trainer's: {field} is "
+                    f"{theirs.get(field)!r} there but {value!r} in the trainer; build it with the run's target, "
+                    "target_dtype and target_seed"
+                )
+        return built.to(pl_module.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"validation_runs": self.validation_runs}

@@ -153,6 +153,8 @@ class PackedChatDataModule(LightningDataModule):
         # The manifest of features_dir once set up (the draft checks it against itself at fit start).
         self.features_manifest: dict[str, Any] | None = None
         self._features: FeatureStore | None = None
+        # The latest train and validation datasets made (use_features gives them the features too).
+        self._made: dict[str, PackedEpochDataset] = {}
         # Where the first malformed rows of each reason were found, named ("file:line: problem"), for
         # the setup summary.
         self.first_malformed: dict[str, list[str]] = {}
@@ -232,11 +234,42 @@ class PackedChatDataModule(LightningDataModule):
             "val_data_files": self.val_documents if separate_val else None,
         }
 
+    def captured_sources(self) -> dict[str, Documents]:
+        """The sources a features directory of this data holds (those with documents)."""
+        return {name: docs for name, docs in self.feature_sources().items() if docs is not None}
+
+    def capture_record(self) -> dict[str, Any]:
+        """What a features directory records of the data its documents were made with."""
+        return {
+            **self.features_identity(),
+            "data": {
+                "data_files": self.data_files,
+                "val_data_files": self.val_data_files,
+                "max_tokens": self.max_tokens,
+                "long_documents": self.long_documents,
+                "max_documents": self.max_documents,
+            },
+        }
+
+    def source_of(self, split: str) -> str:
+        """The source (``data_files`` / ``val_data_files``) whose documents the ``split`` loader yields."""
+        return "val_data_files" if split == "val" and self.val_data_files is not None else "data_files"
+
+    def use_features(self, features_dir: str) -> dict[str, Any]:
+        """From now on, every micro-batch carries its documents' features from ``features_dir`` (the loaders
+        made already included); checked as ``features_dir`` is at setup. Returns its manifest."""
+        self.setup("fit")
+        store = FeatureStore(features_dir)
+        store.check_data(self.features_identity(), self.feature_sources())
+        self.features_dir, self._features, self.features_manifest = features_dir, store, store.manifest
+        for split, dataset in self._made.items():
+            dataset.features = self._split_features(split)
+        return store.manifest
+
     def _split_features(self, split: str) -> SourceFeatures | None:
         if self._features is None:
             return None
-        separate_val = split == "val" and self.val_data_files is not None
-        return self._features.source("val_data_files" if separate_val else "data_files")
+        return self._features.source(self.source_of(split))
 
     def reserved_id_problem(self, token_id: int) -> str | None:
         """Why ``token_id`` cannot be a reserved id (a block draft's mask token), or ``None``.
@@ -434,6 +467,8 @@ class PackedChatDataModule(LightningDataModule):
         )
         if not features:
             dataset.features = None
+        else:
+            self._made["train"] = dataset
         return ResumableLoader(dataset, self._loader_state, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -441,7 +476,7 @@ class PackedChatDataModule(LightningDataModule):
         if self.val_documents is None or len(self.val_documents) == 0:
             return []
         world_size, rank = self._world()
-        dataset = self._dataset(
+        dataset = self._made["val"] = self._dataset(
             self.val_documents, shuffle=False, world_size=world_size, rank=rank, split="val"
         )
         return DataLoader(dataset, batch_size=None, sampler=PlanOrder(dataset), num_workers=self.num_workers)

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.feature_store import SourceFeatures
-from lightning_drafts.datamodules.packing import MicroBatchPlan, collate_placed, place, plan_epoch
+from lightning_drafts.datamodules.packing import MicroBatchPlan, Placement, collate_placed, place, plan_epoch
 
 
 class PackedEpochDataset(Dataset):
@@ -95,8 +95,12 @@ class PackedEpochDataset(Dataset):
     def __len__(self) -> int:
         return self.skip + len(self.plan(self.epoch, self.start))
 
+    def placement(self, index: int) -> Placement:
+        """Where micro-batch ``index`` puts its documents' tokens."""
+        return place(self.documents, self.plan(self.epoch, self.start), index - self.skip)
+
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        placement = place(self.documents, self.plan(self.epoch, self.start), index - self.skip)
+        placement = self.placement(index)
         batch = collate_placed(self.documents, placement, self.pad_token_id)
         if self.features is not None:
             batch.update(self.features.gather(self.documents, placement))

@@ -23,7 +23,10 @@ from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.core.schedule import warmup_cosine
 from lightning_drafts.core.target_features import FeatureRequest
+from lightning_drafts.datamodules.packing import collate_placed, place, plan_epoch
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family, record_digests
+from lightning_drafts.training.feature_cache import FeatureCache
+from lightning_drafts.training.features_manifest import SHARD_BYTES, storage_dtype
 from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
 from lightning_drafts.training.remote_target import RemoteTarget
 from lightning_drafts.training.step_draws import run_seed, step_generator
@@ -60,6 +63,13 @@ class DraftModule(L.LightningModule):
         target_prefetch: micro-batches sent to the workers ahead of the one being trained on.
         target_max_mb_in_flight: cap on the feature bytes (MiB) sent for or waiting to be trained on.
         target_worker_gpus: GPUs per worker (0 on CPU machines).
+        target_unit_timeout_s: send a unit again, to another worker, when its features are this many seconds
+            late (``None``: only when its worker died); a late first result that still arrives is dropped.
+        target_cache_dir: online, then cached: write the features the workers send into this features
+            directory (the layout and manifest of ``lightning-drafts capture``) and, once the first epoch has
+            run through, train every later epoch from it without the workers (a later run of the same config
+            finds it complete and starts none). One trainer rank only.
+        target_cache_dtype: its storage dtype (``bfloat16``, ``float16``, ``float32`` or ``float8_e4m3fn``).
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
@@ -84,6 +94,9 @@ class DraftModule(L.LightningModule):
         target_prefetch: int = 4,
         target_max_mb_in_flight: float = 256.0,
         target_worker_gpus: float = 0.0,
+        target_unit_timeout_s: float | None = None,
+        target_cache_dir: str | None = None,
+        target_cache_dtype: str = "bfloat16",
         tokenizer_vocab_size: int | None = None,
         pad_token_id: int | None = None,
     ) -> None:
@@ -105,6 +118,17 @@ class DraftModule(L.LightningModule):
                 "target_workers needs a target the workers can build themselves: a hub id / path or a config "
                 f"dict, not a {type(target).__name__} instance"
             )
+        if target_cache_dir is not None and not target_workers:
+            raise ValueError(
+                f"target_cache_dir = {target_cache_dir!r} caches what target workers send, but target_workers = "
+                f"{target_workers}; set target_workers, or capture with `lightning-drafts capture`"
+            )
+        if target_unit_timeout_s is not None:
+            check_number("target_unit_timeout_s", target_unit_timeout_s, minimum=0, above_minimum=True)
+        storage_dtype(target_cache_dtype)
+        self._cache: FeatureCache | None = None
+        # The run trains from its completed cache: no workers are started again.
+        self._from_cache = False
         # What a target worker builds: the trainer's own target (an instance is not kept twice: as an
         # attribute of a module it would become a submodule, and its weights checkpoint keys).
         self.target_spec = target if isinstance(target, (str, dict)) else None
@@ -195,8 +219,32 @@ class DraftModule(L.LightningModule):
         }
 
     def _start_remote_target(self) -> None:
-        if self.hparams.get("target_workers") and self.remote_target is None:
-            self.use_remote_target(self.build_remote_target())
+        if not self.hparams.get("target_workers") or self.remote_target is not None or self._from_cache:
+            return
+        cache_dir = self.hparams.get("target_cache_dir")
+        if cache_dir is not None:
+            datamodule = getattr(self.trainer, "datamodule", None)
+            if datamodule is None or not hasattr(datamodule, "use_features"):
+                raise ValueError(
+                    "target_cache_dir needs the run's PackedChatDataModule (trainer.fit(model, datamodule=...))"
+                )
+            if self.trainer.world_size > 1:
+                raise ValueError(
+                    f"target_cache_dir caches one trainer rank's units, but this run has {self.trainer.world_size} "
+                    "ranks; cache with one rank, or capture with `lightning-drafts capture` (torchrun-parallel)"
+                )
+            self._cache = FeatureCache(
+                cache_dir,
+                self,
+                datamodule.captured_sources(),
+                datamodule.capture_record(),
+                self.hparams.get("target_cache_dtype", "bfloat16"),
+                SHARD_BYTES,
+            )
+            if self._cache.complete:
+                self._train_from_cache()
+                return
+        self.use_remote_target(self.build_remote_target())
 
     def build_remote_target(self, **options: Any) -> RemoteTarget:
         """A :class:`RemoteTarget` of this draft's target and the ``target_*`` options (``options``
@@ -219,6 +267,7 @@ class DraftModule(L.LightningModule):
             "prefetch": hparams.get("target_prefetch", 4),
             "max_bytes_in_flight": int(hparams.get("target_max_mb_in_flight", 256.0) * 2**20),
             "worker_gpus": hparams.get("target_worker_gpus", 0.0),
+            "unit_timeout_s": hparams.get("target_unit_timeout_s"),
             "describe": self._describe_unit,
             **options,
         }
@@ -230,11 +279,13 @@ class DraftModule(L.LightningModule):
         remote.start(self.remote_identity())
         self.remote_target = remote
         self._feeds: dict[str, PlannedUnits] = {}
+        self._filling: dict[Unit, str] = {}
         self._validation_runs = 0
         rank_zero_info(remote.where())
 
     def _describe_unit(self, unit: Unit) -> str:
-        return self._feeds[unit.split].describe(unit)
+        feed = self._feeds.get(unit.split)
+        return feed.describe(unit) if feed is not None else self._filling.get(unit, str(unit))
 
     def with_remote_features(self, batch: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """``batch`` with the target features its workers computed for it (unchanged without a remote
@@ -277,7 +328,66 @@ class DraftModule(L.LightningModule):
             rows = feed.rows(index)
             if not remote.offer(ahead, rows, expected_feature_bytes(rows, request, hidden, dtype)):
                 break
-        return remote.take(unit, batch, needed)
+        features = remote.take(unit, batch, needed)
+        if self._cache is not None:
+            source = trainer.datamodule.source_of(split)
+            documents, placement = feed.dataset.documents, feed.dataset.placement(feed.index(unit))
+            self._cache.receive(source, documents, placement, features)
+        return features
+
+    # --- online, then cached ----------------------------------------------------------------------
+
+    def on_train_epoch_end(self) -> None:
+        feed = self._feeds.get("train") if self.remote_target is not None else None
+        # An epoch cut short (max_steps) leaves the cache to the run that trains the rest of it.
+        if self._cache is None or feed is None or feed.cursor < feed.end:
+            return
+        self._fill_cache()
+        self._cache.finish()
+        self._train_from_cache()
+
+    def _fill_cache(self) -> None:
+        """Ask the workers for the documents no training or validation unit held, packed as a capture
+        packs them, and keep their features."""
+        datamodule, remote = self.trainer.datamodule, self.remote_target
+        request = self.feature_request()
+        hidden, dtype = int(self.target.text_config.hidden_size), self.target.compute_dtype
+        for number, (source, documents) in enumerate(self._cache.missing().items()):
+            plan = plan_epoch(
+                documents.lengths,
+                mode="microbatch",
+                max_tokens=datamodule.max_tokens,
+                batch_size=datamodule.batch_size,
+                seed=0,
+                epoch=0,
+                shuffle=False,
+            )
+            units = [Unit("cache", number, i, self.trainer.global_rank, 0) for i in range(len(plan))]
+            placements = [place(documents, plan, i) for i in range(len(plan))]
+            rows = [collate_placed(documents, p, datamodule.pad_token_id) for p in placements]
+            for unit, placement in zip(units, placements, strict=True):
+                offsets = [int(documents.starts[d]) for d in placement.docs]
+                self._filling[unit] = f"its documents are {source} documents at corpus offsets {offsets}"
+            for i, unit in enumerate(units):
+                needed = expected_feature_bytes(rows[i], request, hidden, dtype)
+                remote.offer(unit, rows[i], needed, force=True)
+                for ahead in range(i + 1, min(i + 1 + remote.prefetch, len(units))):
+                    more = expected_feature_bytes(rows[ahead], request, hidden, dtype)
+                    if not remote.offer(units[ahead], rows[ahead], more):
+                        break
+                features = remote.take(unit, rows[i], needed)
+                self._cache.receive(source, documents, placements[i], features)
+
+    def _train_from_cache(self) -> None:
+        """Every batch from now on carries its features from the completed cache; the workers go."""
+        manifest = self.trainer.datamodule.use_features(str(self._cache.directory))
+        self.check_features(manifest)
+        self._features_checked = manifest.get("directory")
+        if self.remote_target is not None:
+            self.remote_target.close()
+            self.remote_target = None
+        self._cache, self._from_cache = None, True
+        rank_zero_info(f"target: training from the features cached in {manifest['directory']} (no workers)")
 
     def on_train_epoch_start(self) -> None:
         if self.remote_target is not None:

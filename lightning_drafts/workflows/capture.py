@@ -27,33 +27,24 @@ from torch import Tensor
 from lightning_drafts.core.output_lock import OutputInUse, exclusive_output
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.document_features import cut_documents, shard_tensors, teacher_dtype
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.feature_store import (
     FLOAT8,
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    documents_digest,
-    final_rows_per_document,
-    quantize_rows,
     read_manifest,
-    shard_bounds,
     shard_name,
     write_manifest,
     write_shard,
 )
 from lightning_drafts.datamodules.packing import collate_placed, place, plan_epoch
 from lightning_drafts.serving.progress import announce
+from lightning_drafts.training.features_manifest import (
+    SHARD_BYTES,
+    check_resumable,
+    features_manifest,
+    storage_dtype,
+)
 from lightning_drafts.training.module import DraftModule
-from lightning_drafts.training.target import as_dtype
-
-# About this many bytes of features per shard: large enough that a shard costs one open, small enough
-# that a stopped capture loses little.
-SHARD_BYTES = 1 << 30
-# float8 stores the captured layers with a scale per token and layer (the final state stays bfloat16).
-STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FLOAT8)
-# Fields of the manifest that describe the progress, not what was captured (a resume may differ in them).
-PROGRESS_FIELDS = ("complete", "capture_seconds")
 
 
 @dataclass(frozen=True)
@@ -83,24 +74,13 @@ def capture_features(
     those of :func:`capture_documents`.
     """
     datamodule.setup("fit")
-    sources = {name: docs for name, docs in datamodule.feature_sources().items() if docs is not None}
-    data = {
-        **datamodule.features_identity(),
-        "data": {
-            "data_files": datamodule.data_files,
-            "val_data_files": datamodule.val_data_files,
-            "max_tokens": datamodule.max_tokens,
-            "long_documents": datamodule.long_documents,
-            "max_documents": datamodule.max_documents,
-        },
-    }
     return capture_documents(
         module,
-        sources,
+        datamodule.captured_sources(),
         output_dir,
         max_tokens=datamodule.max_tokens,
         pad_token_id=datamodule.pad_token_id,
-        data=data,
+        data=datamodule.capture_record(),
         dtype=dtype,
         rows_per_batch=rows_per_batch or datamodule.batch_size,
         **options,
@@ -141,16 +121,16 @@ def capture_documents(
     started = time.perf_counter()
     directory = Path(output_dir)
     with _one_capture(directory):
-        storage = _storage_dtype(dtype)
+        storage = storage_dtype(dtype)
         request = module.feature_request()
-        manifest = _manifest(module, request, storage, sources, shard_bytes, data)
+        manifest = features_manifest(module, storage, sources, shard_bytes, data)
         estimate = _estimate_bytes(manifest, storage)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
         directory.mkdir(parents=True, exist_ok=True)
         existing = read_manifest(directory)
         if existing is not None:
-            _check_resumable(existing, manifest, directory)
+            check_resumable(existing, manifest, directory)
             manifest = {**manifest, "capture_seconds": existing.get("capture_seconds", 0.0)}
         if dist.is_initialized():
             dist.barrier()  # every rank has read the manifest before rank 0 writes one
@@ -217,58 +197,6 @@ def _one_capture(directory: Path) -> Iterator[None]:
         yield
 
 
-def _storage_dtype(dtype: str) -> torch.dtype:
-    resolved = as_dtype(dtype)
-    if resolved not in STORAGE_DTYPES:
-        names = [str(d).removeprefix("torch.") for d in STORAGE_DTYPES]
-        raise ValueError(f"dtype {dtype!r} cannot store features; use one of {names} (default 'bfloat16')")
-    return resolved
-
-
-def _teacher_dtype(storage: torch.dtype) -> torch.dtype:
-    """float8 is for the captured layers only: the teacher's final state keeps bfloat16."""
-    return torch.bfloat16 if storage == FLOAT8 else storage
-
-
-def _manifest(
-    module: DraftModule,
-    request: FeatureRequest,
-    storage: torch.dtype,
-    sources: dict[str, Documents],
-    shard_bytes: int,
-    data: dict[str, Any],
-) -> dict[str, Any]:
-    identity = module.target.identity()
-    hidden = identity["hidden_size"]
-    bytes_per_token = len(request.layer_ids) * hidden * storage.itemsize
-    tokens_per_shard = max(1, shard_bytes // max(bytes_per_token, 1))
-    target = module.hparams.get("target")
-    entries = {}
-    for name, documents in sources.items():
-        finals = final_rows_per_document(documents, request.final_positions)
-        entries[name] = {
-            "documents": len(documents),
-            "tokens": documents.num_tokens,
-            "final_rows": int(finals.sum()),
-            "documents_digest": documents_digest(documents),
-            "shards": [
-                {"file": shard_name(name, i), "documents": [begin, end]}
-                for i, (begin, end) in enumerate(shard_bounds(documents.lengths, tokens_per_shard))
-            ],
-        }
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "target": {**identity, "spec": target if isinstance(target, (str, dict)) else None},
-        "draft_class": f"{type(module).__module__}.{type(module).__qualname__}",
-        "layer_ids": list(request.layer_ids),
-        "final_positions": request.final_positions,
-        "dtype": str(storage).removeprefix("torch."),
-        **data,
-        "sources": entries,
-    }
-
-
 def _estimate_bytes(manifest: dict[str, Any], storage: torch.dtype) -> int:
     """tokens x layers x hidden x bytes, plus the final-state rows (and their int32 positions)."""
     hidden, layers = manifest["target"]["hidden_size"], len(manifest["layer_ids"])
@@ -276,19 +204,8 @@ def _estimate_bytes(manifest: dict[str, Any], storage: torch.dtype) -> int:
     total = 0
     for entry in manifest["sources"].values():
         total += entry["tokens"] * (layers * hidden * storage.itemsize + scales)
-        total += entry["final_rows"] * (hidden * _teacher_dtype(storage).itemsize + 4)
+        total += entry["final_rows"] * (hidden * teacher_dtype(storage).itemsize + 4)
     return total
-
-
-def _check_resumable(existing: dict[str, Any], manifest: dict[str, Any], directory: Path) -> None:
-    for field in sorted(set(existing) | set(manifest)):
-        if field in PROGRESS_FIELDS:
-            continue
-        if existing.get(field) != manifest.get(field):
-            raise ValueError(
-                f"{directory / MANIFEST} records another capture: its {field!r} is {existing.get(field)!r}, this "
-                f"one's {manifest.get(field)!r}; capture into an empty directory (or delete that one)"
-            )
 
 
 def _check_disk(
@@ -334,39 +251,10 @@ def _capture_shard(
         epoch=0,
         shuffle=False,
     )
-    teacher = _teacher_dtype(storage)
-    hidden_of: dict[int, Tensor] = {}
-    final_of: dict[int, tuple[Tensor, Tensor]] = {}
+    received = {}
     for index in range(len(plan)):
         placement = place(documents, plan, index)
         batch = collate_placed(documents, placement, pad_token_id)
         features = module.features_for({k: v.to(device) for k, v in batch.items()})
-        flat = features["target_hidden_states"].flatten(0, 1)[torch.from_numpy(placement.target).to(device)]
-        pieces = flat.to(storage).cpu() if storage != FLOAT8 else flat.cpu()
-        pieces = pieces.split(placement.lengths.tolist())
-        if request.final_positions != "none":
-            states = features["target_last_hidden_state"].flatten(0, 1)
-            mask = features["target_last_hidden_mask"].flatten()
-        for j, doc in enumerate(placement.docs.tolist()):
-            hidden_of[doc] = pieces[j]
-            if request.final_positions != "none":
-                base, length = int(placement.doc_base[j]), int(placement.lengths[j])
-                kept = mask[base : base + length].nonzero().squeeze(1)
-                final_of[doc] = (kept.to(torch.int32).cpu(), states[base + kept].to(teacher).cpu())
-    order = range(len(documents))
-    hidden_size = int(module.target.text_config.hidden_size)
-    positions = [final_of[d][0] if d in final_of else torch.zeros(0, dtype=torch.int32) for d in order]
-    finals = [final_of[d][1] if d in final_of else torch.zeros(0, hidden_size, dtype=teacher) for d in order]
-    hidden = torch.cat([hidden_of[d] for d in order])
-    scaled = {}
-    if storage == FLOAT8:
-        hidden, scaled["hidden_scales"] = quantize_rows(hidden, len(request.layer_ids))
-    return {
-        **scaled,
-        "hidden_states": hidden,
-        "last_hidden_state": torch.cat(finals),
-        "last_hidden_positions": torch.cat(positions),
-        "doc_starts": torch.from_numpy(documents.starts.astype(np.int64)),
-        "doc_lengths": torch.from_numpy(documents.lengths.astype(np.int64)),
-        "doc_final_rows": torch.tensor([len(p) for p in positions], dtype=torch.int64),
-    }
+        received.update(cut_documents(documents, placement, features, storage))
+    return shard_tensors(documents, received, storage, len(request.layer_ids))

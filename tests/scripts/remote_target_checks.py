@@ -1,32 +1,48 @@
 """Disaggregated training checks, run as one process that starts Ray once (tests/training/test_remote_target.py).
 
-``python remote_target_checks.py CONFIG...``: for each quickstart config, a few packed steps with the
-target on 2 Ray workers give the co-located run's per-step losses and final draft digest, bit for bit.
-Then, with the first config: workers SIGKILLed before and after they reply under a cap on bytes in
-flight, and a late unit sent again whose first result arrives as a delayed duplicate, each ending with
-the uninterrupted run's draft; a unit that always fails stops the run naming its documents; a worker of
-another target is refused naming the field. Each check prints ``OK <name>``; any failure exits non-zero.
+``python remote_target_checks.py CONFIG...`` (the five quickstart configs). First, that the library
+imports without Ray. For each config, a few packed steps with the target on 2 Ray workers give the
+co-located run's per-step losses and final draft digest, bit for bit; the validated family (DFlash) also
+gets the co-located `val/` metrics and served acceptance (the same greedy generations). Online, then
+cached: epoch 0 from the workers written into a features directory equal to `lightning-drafts capture`'s,
+epoch 1 from it, the run equal to one whose epoch 1 trained from the capture; a trainer process SIGKILLed
+mid-step (``--crash-child``, on this Ray) resumes from its last and its previous checkpoint to the same
+draft and directory. With the first config: a checkpoint resumed; workers SIGKILLed before, while and
+after they reply under a cap on bytes in flight, and a late unit sent again whose first result arrives as
+a delayed duplicate, each ending with the uninterrupted run's draft; a unit that always fails stops the
+run naming its documents; a worker of another target is refused naming the field. Last, two gloo trainer
+ranks, one worker each, train on exactly their own units. Each check prints ``OK <name>``; any failure
+exits non-zero.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import lightning as L
-import ray
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 
+from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.cli.fit import build_from_config
 from lightning_drafts.core.digest import state_digest
+from lightning_drafts.training.remote_target import start_local_ray
 from lightning_drafts.training.target_worker import TargetWorker
+from lightning_drafts.workflows.capture import capture_features
+from tests.hang_guard import HANG_GUARD_S
 
 STEPS = 4
+# Steps of the 2-rank runs.
+RANK_STEPS = 3
 VALIDATED = "configs/quickstart/dflash.yaml"
 DATA = [
     "--data.init_args.max_documents=24",
@@ -59,11 +75,17 @@ def build(config: str, *overrides: str):
 
 
 def fit(
-    config: str, *overrides: str, remote_options: dict | None = None, callbacks=(), resume: str | None = None
+    config: str,
+    *overrides: str,
+    remote_options: dict | None = None,
+    callbacks=(),
+    resume: str | None = None,
+    epochs: int | None = None,
 ):
-    """Train to step ``STEPS``: co-located, or with ``remote_options`` on a RemoteTarget built from them;
-    from the checkpoint ``resume`` if given. Returns (losses of the steps run, draft digest, the
-    RemoteTarget or None, the trainer's logged metrics)."""
+    """Train to step ``STEPS`` (or ``epochs`` epochs): co-located, or with ``remote_options`` on a
+    RemoteTarget built from them; from the checkpoint ``resume`` if given.
+    Returns (losses of the steps run, draft digest, the RemoteTarget or None, the trainer's logged
+    metrics)."""
     model, data = build(config, *overrides)
     remote = None
     if remote_options is not None:
@@ -73,7 +95,8 @@ def fit(
     callbacks = [losses, *callbacks]
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=STEPS if epochs is None else -1,
+        max_epochs=epochs,
         logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
@@ -101,13 +124,14 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
     """Also saves the first config's remote run at step 2 into ``checkpoints`` (for check_resume)."""
     references = {}
     for config in configs:
-        reference = references[config] = fit(config)
+        served_here, served_there = served(config), served(config)
+        reference = references[config] = fit(config, callbacks=served_here)
         assert len(reference[0]) == STEPS and any(loss > 0 for loss in reference[0]), reference[0]
         saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")
         run = fit(
             config,
             "--model.init_args.target_workers=2",
-            callbacks=[saver] if config == configs[0] else [],
+            callbacks=[*([saver] if config == configs[0] else []), *served_there],
         )
         same(config, reference, run)
         if config == VALIDATED:
@@ -117,13 +141,27 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
             )
             runs = sorted({u.epoch for u in run[2].ledger.consumed if u.split == "val"})
             assert runs == [1, 2], runs
+            # Served acceptance: the export decoded against the target (built in the trainer for it): the
+            # same greedy generations (the target's own tokens) and acceptance as co-located.
+            served_len = run[3]["val/served_accept_len"]
+            assert served_len == reference[3]["val/served_accept_len"], (run[3], reference[3])
+            here, there = served_here[0].report, served_there[0].report
+            assert there.generations == here.generations and there.served == here.served, (there, here)
+            assert there.generated_tokens > 0, there
             print(
-                f"OK validation through the workers: val/loss {run[3]['val/loss']} in runs {runs}", flush=True
+                f"OK validation through the workers: val/loss {run[3]['val/loss']} in runs {runs}, "
+                f"val/served_accept_len {served_len}",
+                flush=True,
             )
         # What TensorBoard gets: the trainer's wait for features and the units in flight, per step.
         assert "target/wait_s" in run[3] and "target/units_in_flight" in run[3], sorted(run[3])
         print(f"[{time.monotonic() - START:.0f} s] OK exact {config} losses={reference[0]}", flush=True)
     return references
+
+
+def served(config: str) -> list:
+    """The validated family's runs serve their export at each validation too."""
+    return [ServedAcceptanceCallback(num_prompts=2, max_new_tokens=6)] if config == VALIDATED else []
 
 
 def check_resume(config: str, reference, checkpoints: Path) -> None:
@@ -150,13 +188,27 @@ def marked_once(name: str) -> bool:
     return True
 
 
+class DiesWhenSent:
+    """A result that SIGKILLs its worker while Ray serializes it into the object store: the worker dies
+    with its reply half sent, after the unit was computed."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class DiesBeforeReplying(TargetWorker):
-    """SIGKILLs itself while computing step 1's unit, the first time."""
+    """SIGKILLs itself while computing step 1's unit, and while sending step 3's, the first time each."""
 
     def features(self, unit, batch):
         if unit.split == "train" and unit.step == 1 and marked_once("before-reply"):
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().features(unit, batch)
+        result = super().features(unit, batch)
+        if unit.split == "train" and unit.step == 3 and marked_once("while-replying"):
+            return DiesWhenSent(result)
+        return result
 
 
 class LateOnce(TargetWorker):
@@ -215,23 +267,24 @@ def check_faults(config: str, reference) -> None:
     one = {"workers": 2}
 
     # Every worker SIGKILLed once step 0 ended (the results of the units after it already sent or not:
-    # both happen), then the worker computing step 1 SIGKILLs itself before replying; under a byte cap
-    # of 2.5 units with prefetch 8.
+    # both happen), then the worker computing step 1 SIGKILLs itself before replying and the one sending
+    # step 3's result while sending it; under a byte cap of 2.5 units with prefetch 8.
     run = fit(
         config,
         remote_options={**one, "worker_class": DiesBeforeReplying, "prefetch": 8, "max_bytes_in_flight": cap},
         callbacks=[KillWorkersAfterStep(0)],
     )
-    same("killed before and after replying", reference, run)
+    same("killed before, while and after replying", reference, run)
     ledger = run[2].ledger
-    assert run[2].retries >= 1, run[2].retries
+    assert run[2].retries >= 2, run[2].retries
+    assert not marked_once("while-replying"), "no worker died while sending its result"
     assert 2 <= ledger.peak_units <= 3 and ledger.peak_bytes <= cap, (
         ledger.peak_units,
         ledger.peak_bytes,
         cap,
     )
     print(
-        f"[{time.monotonic() - START:.0f} s] OK killed before and after replying (retries={run[2].retries})"
+        f"[{time.monotonic() - START:.0f} s] OK killed before, while and after replying (retries={run[2].retries})"
     )
     print(
         f"OK bytes in flight peaked at {ledger.peak_bytes} <= cap {cap} ({ledger.peak_units} units)",
@@ -274,14 +327,206 @@ def check_faults(config: str, reference) -> None:
         raise AssertionError("a worker of another target was accepted")
 
 
-def main() -> None:
+# Online, then cached: a few documents, so that an epoch is 3 steps and the run 2 epochs.
+CACHED = ["--data.init_args.max_documents=8"]
+EPOCHS = 2
+
+
+def cache_options(directory: Path, *more: str) -> list[str]:
+    return [
+        *CACHED,
+        "--model.init_args.target_workers=2",
+        f"--model.init_args.target_cache_dir={directory}",
+        *more,
+    ]
+
+
+def same_store(name: str, written: Path, captured: Path) -> None:
+    """``written`` holds what ``captured`` (a `lightning-drafts capture`) holds: the manifest but its
+    timing, the same shard files, every tensor equal; no received file is left."""
+    a, b = (json.loads((d / "features.json").read_text()) for d in (written, captured))
+    a.pop("capture_seconds"), b.pop("capture_seconds")
+    if a != b:
+        raise AssertionError(f"{name}: manifest {a} vs the capture's {b}")
+    files = sorted(p.name for p in written.iterdir())
+    assert files == sorted(p.name for p in captured.iterdir()), (files, list(captured.iterdir()))
+    for path in captured.glob("*.safetensors"):
+        mine, theirs = load_file(written / path.name), load_file(path)
+        assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
+        for key, tensor in theirs.items():
+            if tensor.dtype != mine[key].dtype or not torch.equal(tensor, mine[key]):
+                raise AssertionError(f"{name}: {path.name} {key} differs from the capture's")
+
+
+class TrainFromAfterEpoch0(L.Callback):
+    """A co-located run whose later epochs train from the features directory ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            trainer.datamodule.use_features(str(self.directory))
+
+
+class DieWhileTraining(L.Callback):
+    """SIGKILLs the trainer during step ``step`` (its features received), right after the previous
+    step's checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_child(config: str, address: str, checkpoints: str, cache: str) -> None:
+    """The trainer that is killed: 2 workers on the parent's Ray, a checkpoint after every step."""
     torch.set_num_threads(1)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(
+        config,
+        *cache_options(Path(cache), f"--model.init_args.target_address={address}"),
+        callbacks=[saver, DieWhileTraining(2)],
+        epochs=EPOCHS,
+    )
+    raise AssertionError("the trainer was not killed")
+
+
+def check_cache(config: str) -> None:
+    """Online, then cached: epoch 0 from the workers, written into a features directory, epoch 1 from it
+    without them. The directory equals `lightning-drafts capture`'s of the same documents; the run equals
+    one whose epoch 0 ran co-located and whose epoch 1 trained from that capture (validation included). A trainer SIGKILLed mid
+    step 2 (right after step 2's checkpoint), resumed from step 2 and from step 1, ends with the same
+    draft and directory."""
+    root = Path(tempfile.mkdtemp(prefix="remote-target-cache-"))
+    run = fit(config, *cache_options(root / "cached"), epochs=EPOCHS)
+    assert run[2] is None and len(run[0]) == 2 * 3, (run[2], run[0])
+    model, data = build(config, *CACHED)
+    capture_features(model, data, root / "captured")
+    same_store("cached", root / "cached", root / "captured")
+
+    reference = fit(config, *CACHED, epochs=EPOCHS, callbacks=[TrainFromAfterEpoch0(root / "captured")])
+    same("cached epochs", reference, run)
+    assert run[3]["val/loss"] == reference[3]["val/loss"], (run[3], reference[3])
+    print(
+        f"[{time.monotonic() - START:.0f} s] OK cached epochs equal the capture's: losses {run[0]}",
+        flush=True,
+    )
+
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    crashed = root / "crashed"
+    child = subprocess.run(
+        [sys.executable, __file__, "--crash-child", config, address, str(root / "ckpt"), str(crashed)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stdout[-2000:] + child.stderr[-4000:]
+    left = sorted(p.name for p in (crashed / "received").iterdir())
+    assert left and not (crashed / "data_files-00000.safetensors").exists(), left
+    for step in (2, 1):
+        cache = root / f"resumed-{step}"
+        shutil.copytree(crashed, cache)
+        resumed = fit(
+            config, *cache_options(cache), epochs=EPOCHS, resume=str(root / "ckpt" / f"step={step}.ckpt")
+        )
+        same(f"resumed from step {step}", (run[0][step:], run[1]), resumed)
+        same_store(f"resumed from step {step}", cache, root / "captured")
+    print(
+        f"[{time.monotonic() - START:.0f} s] OK trainer killed mid step 2, resumed from steps 2 and 1: the "
+        f"uninterrupted draft and directory (the crash left {len(left)} received units)",
+        flush=True,
+    )
+
+
+class RankRecord(L.Callback):
+    """Each rank of a 2-rank run writes its per-step losses, the units it trained on and its final draft's
+    digest."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        remote = pl_module.remote_target
+        units = [] if remote is None else [vars(u) for u in sorted(remote.ledger.consumed)]
+        record = {"losses": self.losses, "units": units, "digest": state_digest(pl_module.draft_state_dict())}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def two_ranks(config: str, out: Path, *overrides: str) -> list[dict]:
+    out.mkdir(parents=True)
+    L.seed_everything(0, verbose=False)
+    model, data = build_from_config(["--config", config, *DATA, *overrides])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=RANK_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[RankRecord(out)],
+    )
+    trainer.fit(model, datamodule=data)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_two_ranks(config: str) -> None:
+    """Two trainer ranks (DDP on gloo) whose ranks join this Ray (``target_address``) with one worker
+    each: every rank trains on exactly its own units (its rank, every step once) with the co-located
+    rank's per-step losses and draft."""
+    import ray
+
+    out = Path(tempfile.mkdtemp(prefix="remote-target-ranks-"))
+    address = ray.get_runtime_context().gcs_address
+    reference = two_ranks(config, out / "co-located")
+    remote = two_ranks(
+        config,
+        out / "remote",
+        "--model.init_args.target_workers=1",
+        f"--model.init_args.target_address={address}",
+    )
+    for rank in range(2):
+        expected = [
+            {"split": "train", "epoch": 0, "step": s, "rank": rank, "micro": 0} for s in range(RANK_STEPS)
+        ]
+        assert remote[rank]["units"] == expected, (rank, remote[rank]["units"])
+        assert remote[rank]["losses"] == reference[rank]["losses"], (rank, remote, reference)
+        assert remote[rank]["digest"] == reference[rank]["digest"], (rank, remote, reference)
+    assert reference[0]["losses"] != reference[1]["losses"], reference
+    print(
+        f"[{time.monotonic() - START:.0f} s] OK two ranks each trained on their own units exactly", flush=True
+    )
+
+
+def main() -> None:
+    if sys.argv[1] == "--crash-child":
+        crash_child(*sys.argv[2:])
+        return
+    # Everything above is imported (the library, its fit, capture and callbacks), Ray not yet.
+    assert "ray" not in sys.modules, "importing the library imported ray"
+    print("OK the library imports without ray", flush=True)
+    import ray
+
+    torch.set_num_threads(1)
+    start_local_ray(4)
     configs = sys.argv[1:]
     checkpoints = Path(tempfile.mkdtemp(prefix="remote-target-checkpoints-"))
     references = check_exact(configs, checkpoints)
+    check_cache(VALIDATED)
     check_resume(configs[0], references[configs[0]], checkpoints)
     check_faults(configs[0], references[configs[0]])
+    check_two_ranks(configs[2])
     ray.shutdown()
 
 
