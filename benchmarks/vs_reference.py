@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
-from torch import Tensor
 
 # Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
 import throughput
+import torch
+from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -87,7 +87,9 @@ class Side:
                 parameter.copy_(value)
         return torch.optim.AdamW(self.parameters, lr=learning_rate)
 
-    def step(self, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], anchors: Tensor | None) -> float:
+    def step(
+        self, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], anchors: Tensor | None
+    ) -> float:
         optimizer.zero_grad(set_to_none=True)
         loss = self.loss(batch, anchors)
         loss.backward()
@@ -153,7 +155,9 @@ def build_module(name: str, args: argparse.Namespace, padded: list[dict[str, Ten
         draft_vocab_size=args.draft_vocab_size,
         token_frequencies=counts,
     )
-    with torch.no_grad():  # as throughput.build_eagle3: the random teacher's greedy token in the draft vocabulary
+    with (
+        torch.no_grad()
+    ):  # as throughput.build_eagle3: the random teacher's greedy token in the draft vocabulary
         keep = torch.zeros(EMBEDDED_VOCAB_SIZE, dtype=torch.bool)
         keep[module.draft.selected_token_ids] = True
         module.target.lm_head.weight[~keep] = 0.0
@@ -290,7 +294,9 @@ def report(results: dict[str, dict[str, LayoutResult]], header: list[str]) -> st
         )
     lines += ["", "First-batch losses (ours, NeMo's):", ""]
     for name, by_layout in results.items():
-        cells = ", ".join(f"{layout} {r.loss_ours:.7f} / {r.loss_theirs:.7f}" for layout, r in by_layout.items())
+        cells = ", ".join(
+            f"{layout} {r.loss_ours:.7f} / {r.loss_theirs:.7f}" for layout, r in by_layout.items()
+        )
         lines.append(f"* {name}: {cells}")
     return "\n".join(lines)
 
@@ -320,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
             layout: throughput.plan(documents, layout, args.max_tokens, args.micro_batch, args.seed)
             for layout in LAYOUTS
         }
-        batches = {layout: throughput.collate_all(documents, plans[layout], torch.device("cpu")) for layout in LAYOUTS}
+        batches = {
+            layout: throughput.collate_all(documents, plans[layout], torch.device("cpu"))
+            for layout in LAYOUTS
+        }
         module = build_module(name, args, batches["padded"])
         anchors = throughput_anchors(name, module, documents, plans, batches, args.seed)
         results[name] = {
