@@ -173,6 +173,22 @@ def test_markov_head_shapes_gradients_and_causality(head_type):
     assert not torch.allclose(other[:, 3], bias[:, 3])
 
 
+def test_markov_bias_added_in_one_product_equals_the_formula():
+    """Flat logits take the fused product-and-add: ``logits + W2 e`` written out, and its gradients."""
+    torch.manual_seed(0)
+    head = MarkovHead(vocab_size=11, hidden_size=6, rank=3)
+    logits = torch.randn(5, 11, requires_grad=True)
+    latents = torch.randn(5, 3, requires_grad=True)
+    fused = head.add_bias(logits, latents)
+    expected = logits + latents @ head.markov_w2.weight.T
+    torch.testing.assert_close(fused, expected)
+    probe = torch.randn(5, 11)
+    grads = torch.autograd.grad((fused * probe).sum(), (logits, latents, head.markov_w2.weight))
+    wanted = torch.autograd.grad((expected * probe).sum(), (logits, latents, head.markov_w2.weight))
+    for got, want in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_confidence_head_shapes_and_gradients():
     head = ConfidenceHead(6 + 3)
     hidden = torch.randn(2, 4, 6, requires_grad=True)
