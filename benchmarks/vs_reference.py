@@ -273,32 +273,26 @@ def speedup_cell(result: LayoutResult) -> str:
     return f"**{median:.2f}x** ({min(pairs):.2f}-{max(pairs):.2f})"
 
 
-def report(results: dict[str, dict[str, LayoutResult]], header: list[str]) -> str:
-    lines = [
-        *header,
-        "",
-        "| draft | ours packed / NeMo packed | ours padded / NeMo padded | CPU s per epoch, packed: ours / NeMo "
-        "| padded: ours / NeMo | work per epoch (packed; padded) | first-batch loss, max abs difference "
-        "| saved activations per real token, NeMo / ours (packed; padded) |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
-    ]
-    for name, by_layout in results.items():
-        packed, padded = by_layout["packed"], by_layout["padded"]
-        difference = max(abs(r.loss_ours - r.loss_theirs) for r in by_layout.values())
-        lines.append(
-            f"| {name} | {speedup_cell(packed)} | {speedup_cell(padded)} | "
-            f"{statistics.median(packed.ours_cpu):.1f} / {statistics.median(packed.theirs_cpu):.1f} | "
-            f"{statistics.median(padded.ours_cpu):.1f} / {statistics.median(padded.theirs_cpu):.1f} | "
-            f"{packed.blocks_or_slots}; {padded.blocks_or_slots} | {difference:.1e} | "
-            f"{packed.saved_theirs / packed.saved_ours:.2f}x; {padded.saved_theirs / padded.saved_ours:.2f}x |"
-        )
-    lines += ["", "First-batch losses (ours, NeMo's):", ""]
-    for name, by_layout in results.items():
-        cells = ", ".join(
-            f"{layout} {r.loss_ours:.7f} / {r.loss_theirs:.7f}" for layout, r in by_layout.items()
-        )
-        lines.append(f"* {name}: {cells}")
-    return "\n".join(lines)
+TABLE_HEAD = [
+    "| draft | ours packed / NeMo packed | ours padded / NeMo padded | CPU s per epoch, packed: ours / NeMo "
+    "| padded: ours / NeMo | work per epoch (packed; padded) | first-batch loss, max abs difference "
+    "| saved activations per real token, NeMo / ours (packed; padded) | first-batch losses, ours / NeMo |",
+    "|---|---:|---:|---:|---:|---|---:|---:|---|",
+]
+
+
+def row(name: str, by_layout: dict[str, LayoutResult]) -> str:
+    """One draft's row of the table (printed as soon as the draft is done: a cut-short run keeps it)."""
+    packed, padded = by_layout["packed"], by_layout["padded"]
+    difference = max(abs(r.loss_ours - r.loss_theirs) for r in by_layout.values())
+    losses = "; ".join(f"{layout} {r.loss_ours:.7f} / {r.loss_theirs:.7f}" for layout, r in by_layout.items())
+    return (
+        f"| {name} | {speedup_cell(packed)} | {speedup_cell(padded)} | "
+        f"{statistics.median(packed.ours_cpu):.1f} / {statistics.median(packed.theirs_cpu):.1f} | "
+        f"{statistics.median(padded.ours_cpu):.1f} / {statistics.median(padded.theirs_cpu):.1f} | "
+        f"{packed.blocks_or_slots}; {padded.blocks_or_slots} | {difference:.1e} | "
+        f"{packed.saved_theirs / packed.saved_ours:.2f}x; {padded.saved_theirs / padded.saved_ours:.2f}x | {losses} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,7 +314,23 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
     load_before = os.getloadavg()
     documents = throughput.load_documents(args.max_tokens, args.documents, args.seed)
-    results: dict[str, dict[str, LayoutResult]] = {}
+    target = throughput.target_config(args)
+    header = [
+        f"Command: `{command}`",
+        "",
+        f"torch {torch.__version__}, CPU, 1 thread, float32; NeMo Automodel 0.7.0; load average (1/5/15 min) "
+        f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start.",
+        f"Documents: {len(documents)} of the embedded corpus (seed {args.seed}), {documents.num_tokens:,} tokens, "
+        f"truncated to {args.max_tokens}; micro-batch {args.micro_batch} rows of {args.max_tokens} (packed) / "
+        f"{args.micro_batch} documents (padded); {args.repeats} interleaved (ours, NeMo) epochs per layout.",
+        f"Target: Llama, hidden {target['hidden_size']}, MLP {target['intermediate_size']}, "
+        f"{target['num_hidden_layers']} layers, vocabulary {target['vocab_size']} (MLA-EAGLE-3: DeepSeek-V3 "
+        f"of the same width and depth). EAGLE-3: ttt_length {args.ttt_length}, draft vocabulary "
+        f"{args.draft_vocab_size}. Block drafts: {args.draft_layers} layers, block {args.block_size}, "
+        f"{args.anchors} anchors per document (DSpark: NeMo's own draw, as many per row).",
+        "Speed-ups are NeMo's CPU time over ours, median of the pairs (range of the pairs).",
+    ]
+    print("\n".join([*header, "", *TABLE_HEAD]), flush=True)
     for name in ours.drafts:
         plans = {
             layout: throughput.plan(documents, layout, args.max_tokens, args.micro_batch, args.seed)
@@ -332,30 +342,13 @@ def main(argv: list[str] | None = None) -> None:
         }
         module = build_module(name, args, batches["padded"])
         anchors = throughput_anchors(name, module, documents, plans, batches, args.seed)
-        results[name] = {
+        results = {
             layout: measure_layout(name, module, layout, batches[layout], anchors[layout], args, log)
             for layout in LAYOUTS
         }
+        print(row(name, results), flush=True)
         del module
-    load_after = os.getloadavg()
-    target = throughput.target_config(args)
-    header = [
-        f"Command: `{command}`",
-        "",
-        f"torch {torch.__version__}, CPU, 1 thread, float32; NeMo Automodel 0.7.0; load average (1/5/15 min) "
-        f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start, "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)} at the end.",
-        f"Documents: {len(documents)} of the embedded corpus (seed {args.seed}), {documents.num_tokens:,} tokens, "
-        f"truncated to {args.max_tokens}; micro-batch {args.micro_batch} rows of {args.max_tokens} (packed) / "
-        f"{args.micro_batch} documents (padded); {args.repeats} interleaved (ours, NeMo) epochs per layout.",
-        f"Target: Llama, hidden {target['hidden_size']}, MLP {target['intermediate_size']}, "
-        f"{target['num_hidden_layers']} layers, vocabulary {target['vocab_size']} (MLA-EAGLE-3: DeepSeek-V3 "
-        f"of the same width and depth). EAGLE-3: ttt_length {args.ttt_length}, draft vocabulary "
-        f"{args.draft_vocab_size}. Block drafts: {args.draft_layers} layers, block {args.block_size}, "
-        f"{args.anchors} anchors per document (DSpark: NeMo's own draw, as many per row).",
-        "Speed-ups are NeMo's CPU time over ours, median of the pairs (range of the pairs).",
-    ]
-    print(report(results, header))
+    print(f"\nLoad average (1/5/15 min) at the end: {'/'.join(f'{x:.1f}' for x in os.getloadavg())}.")
 
 
 if __name__ == "__main__":
