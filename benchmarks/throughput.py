@@ -87,6 +87,7 @@ from typing import Any
 import datasets
 import numpy as np
 import torch
+from model_flops import MatmulRate, counted_flops, matmul_rate
 from torch import Tensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, DraftModule, Eagle3Module
@@ -466,6 +467,8 @@ class DraftResult:
     # Block drafts, per layout: chain positions, supervised ones, blocks, blocks with a supervised position.
     chain_work: dict[str, ChainWork] = field(default_factory=dict)
     setup_note: str = ""
+    # Model FLOPs of one epoch of each series (FlopCounterMode over forward and backward; model_flops.py).
+    flops: dict[str, int] = field(default_factory=dict)
 
     def layout(self, series_name: str) -> str:
         return next(s.layout for s in self.series if s.name == series_name)
@@ -536,6 +539,19 @@ def chain_work(
     )
 
 
+def epoch_flops(module: DraftModule, fresh: FreshStart, workload: Workload, run: Series, name: str) -> int:
+    """Model FLOPs of one (untimed) epoch of ``run``: FlopCounterMode over every step (model_flops.py)."""
+    pairs = list(zip(workload.batches[run.layout], workload.anchors[run.layout], strict=True))
+    with configured(module, run):
+        optimizer = fresh()
+
+        def epoch() -> None:
+            for batch, anchors in pairs:
+                train_step(module, optimizer, batch, anchors, name)
+
+        return counted_flops(epoch)
+
+
 def measure_draft(
     name: str,
     args: argparse.Namespace,
@@ -570,6 +586,7 @@ def measure_draft(
                 epoch = timed_epoch(module, fresh(), workload, run.layout, name, memory)
             epochs[run.name].append(epoch)
             log(f"{name}: repeat {repeat + 1}/{args.repeats} {run.name}: {epoch.seconds:.1f} s")
+    flops = {run.name: epoch_flops(module, fresh, workload, run, name) for run in series}
     counts = {run.name: {e.supervised for e in epochs[run.name]} for run in series}
     if len(set().union(*counts.values())) != 1:
         raise RuntimeError(f"{name}: the runs supervised different positions: {counts}")
@@ -592,6 +609,7 @@ def measure_draft(
         series=series,
         live_slot_steps=steps,
         chain_work=work,
+        flops=flops,
     )
 
 
@@ -804,15 +822,78 @@ def thread_scaling_report(results: list[DraftResult], threads: list[int]) -> lis
     return lines
 
 
+def measure_limits(counts: list[int], dtype: torch.dtype, device: torch.device) -> dict[int, MatmulRate]:
+    """The large-matmul rate at each thread count (model_flops.matmul_rate)."""
+    previous = torch.get_num_threads()
+    rates = {}
+    for count in counts:
+        torch.set_num_threads(count)
+        rates[count] = matmul_rate(dtype=dtype, device=device)
+    torch.set_num_threads(previous)
+    return rates
+
+
+def best_limits(*measured: dict[int, MatmulRate]) -> dict[int, MatmulRate]:
+    """Per thread count, the best rate of the measurements (a busy moment only lowers a rate)."""
+    return {
+        count: MatmulRate(
+            measured[0][count].size,
+            max(m[count].per_second for m in measured),
+            max(m[count].per_cpu_second for m in measured),
+        )
+        for count in measured[0]
+    }
+
+
+def flops_section(
+    results: list[DraftResult], limits: dict[int, MatmulRate], threads: int, cpu: bool
+) -> list[str]:
+    """Each series' model FLOPs per second (median epoch) against the large-matmul rate at its thread count."""
+    size = next(iter(limits.values())).size
+    lines = [
+        "",
+        f"Model FLOPs per second against this machine's {size} x {size} matmul rate, measured in this run at "
+        "the start and the end (best of both): "
+        + ", ".join(
+            f"{count} thread{'s' * (count > 1)}: {rate.per_second / 1e9:.1f} GFLOP/s wall"
+            + (f", {rate.per_cpu_second / 1e9:.1f} GFLOP per CPU-second" if cpu else "")
+            for count, rate in limits.items()
+        )
+        + ". Model FLOPs: FlopCounterMode over each step's forward and backward (matrix products and "
+        "attention kernels; benchmarks/model_flops.py).",
+        "",
+        "| draft | series | model GFLOP per epoch | GFLOP/s (wall) | of the matmul rate |"
+        + (" GFLOP per CPU-second | of the matmul rate, CPU time |" if cpu else ""),
+        "|---|---|---:|---:|---:|" + ("---:|---:|" if cpu else ""),
+    ]
+    for result in results:
+        for run in result.series:
+            flops, epochs = result.flops[run.name], result.epochs[run.name]
+            limit = limits[run.threads or threads]
+            wall = flops / statistics.median(e.seconds for e in epochs)
+            row = (
+                f"| {result.name} | {run.name} | {flops / 1e9:,.1f} | {wall / 1e9:.1f} | "
+                f"{wall / limit.per_second:.0%} |"
+            )
+            if cpu:
+                per_cpu = flops / statistics.median(e.cpu_seconds for e in epochs)
+                row += f" {per_cpu / 1e9:.1f} | {per_cpu / limit.per_cpu_second:.0%} |"
+            lines.append(row)
+    return lines
+
+
 def report(
     results: list[DraftResult],
     skipped: dict[str, str],
     cpu: bool,
     header: str,
+    limits: dict[int, MatmulRate],
+    threads: int,
     thread_scaling: list[int] | None = None,
 ) -> str:
     if thread_scaling:
         lines = [header, "", *thread_scaling_report(results, thread_scaling)]
+        lines += flops_section(results, limits, threads, cpu)
         return "\n".join(lines + [f"\n{name}: skipped: {why}" for name, why in skipped.items()])
     cpu_head, cpu_rule = (" packed/padded by CPU time |", "---:|") if cpu else ("", "")
     lines = [
@@ -834,6 +915,7 @@ def report(
     for result in results:
         lines += all_slots_section(result, cpu)
         lines += all_positions_section(result, cpu)
+    lines += flops_section(results, limits, threads, cpu)
     lines += [f"\n{name}: skipped: {why}" for name, why in skipped.items()]
     return "\n".join(lines)
 
@@ -923,6 +1005,8 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
     documents = load_documents(args.max_tokens, args.documents, args.seed)
     load_before = os.getloadavg()
+    counts = args.thread_scaling or [args.threads]
+    limits_before = measure_limits(counts, args.dtype, device)
     results, skipped = [], {}
     for name in args.drafts:
         try:
@@ -931,6 +1015,7 @@ def main(argv: list[str] | None = None) -> None:
             skipped[name] = str(why)
             log(f"{name}: skipped: {why}")
     load_after = os.getloadavg()
+    limits = best_limits(limits_before, measure_limits(counts, args.dtype, device))
 
     target = target_config(args)
     header = "\n".join(
@@ -960,7 +1045,7 @@ def main(argv: list[str] | None = None) -> None:
             "Throughput columns are medians over the repeats; 'of limit' = (packed/padded) / limit.",
         ]
     )
-    print(report(results, skipped, device.type == "cpu", header, args.thread_scaling))
+    print(report(results, skipped, device.type == "cpu", header, limits, args.threads, args.thread_scaling))
 
 
 if __name__ == "__main__":

@@ -122,4 +122,4 @@ class DSparkDraft(BlockDraft):
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         if latents is None:
             return logits
-        return logits + self.markov_head.bias(latents).to(logits.dtype)
+        return self.markov_head.add_bias(logits, latents)

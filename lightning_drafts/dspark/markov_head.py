@@ -73,6 +73,14 @@ class MarkovHead(nn.Module):
         """The ``[..., V]`` logit bias of latents ``[..., r]`` (:meth:`latents`)."""
         return self.markov_w2(latents)
 
+    def add_bias(self, logits: Tensor, latents: Tensor) -> Tensor:
+        """``logits + bias(latents)`` (``[..., V]``, in the logits' dtype). Flat ``[n, V]`` logits of the
+        head's dtype take one fused product-and-add, so no separate ``[n, V]`` bias tensor is made and swept."""
+        weight = self.markov_w2.weight
+        if logits.dim() == 2 and logits.dtype == latents.dtype == weight.dtype:
+            return torch.addmm(logits, latents, weight.t())
+        return logits + self.bias(latents).to(logits.dtype)
+
     def _recurrent_latents(self, embedded: Tensor, hidden: Tensor) -> Tensor:
         # The state starts at zero in every block and runs over its K slots; the bias of slot k is read
         # from the state before slot k's update, as in NeMo's training unroll.

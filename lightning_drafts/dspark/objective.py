@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 # Reused, not copied: DSpark's position decay and epsilon are DFlash's (exp(-k / gamma), 1e-6).
 from lightning_drafts.blockdraft.objective import LOSS_EPS, decay_weights
@@ -52,13 +53,46 @@ class LossWeights:
 
 
 def distribution_terms(draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Per slot ``[..., ]``: fp32 cross-entropy against ``labels`` and the L1 distance between the draft
-    and the (detached) teacher distributions over the last dimension."""
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    ce = -log_probs.gather(-1, labels[..., None].long()).squeeze(-1)
-    teacher = torch.softmax(teacher_logits.detach().float(), dim=-1)
-    l1 = (log_probs.exp() - teacher).abs().sum(dim=-1)
-    return ce, l1
+    """Per slot ``[...]`` (``draft_logits`` / ``teacher_logits`` ``[..., V]``, ``labels`` ``[...]``): fp32
+    cross-entropy against ``labels`` and the L1 distance between the draft and the (detached) teacher
+    distributions, differentiable in ``draft_logits``."""
+    vocab = draft_logits.shape[-1]
+    ce, l1 = _DistributionTerms.apply(
+        draft_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), labels.reshape(-1).long()
+    )
+    return ce.view(labels.shape), l1.view(labels.shape)
+
+
+class _DistributionTerms(torch.autograd.Function):
+    """``ce = lse(z) - z[y]`` and ``l1 = sum_v |p_v - q_v|`` (``p = softmax(z)``, ``q`` the teacher's), with
+    the gradient written out instead of differentiated op by op: each term's ``[n, V]`` chain (log-softmax,
+    exp, difference, abs and their backward passes) would otherwise allocate and sweep a vocabulary-wide
+    tensor per step, the bulk of the vocabulary terms' non-matmul time. With ``s = sign(p - q)``:
+
+    ``d ce / d z = p - onehot(y)``, ``d l1 / d z = p * (s - <p, s>)``.
+    """
+
+    @staticmethod
+    def forward(ctx, draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        logits = draft_logits.float()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        probs = torch.sub(logits, lse).exp_()
+        ce = lse.squeeze(-1) - logits.gather(-1, labels[:, None]).squeeze(-1)
+        difference = torch.softmax(teacher_logits.float(), dim=-1).neg_().add_(probs)
+        l1 = torch.linalg.vector_norm(difference, ord=1, dim=-1)
+        ctx.save_for_backward(probs, difference.sign_(), labels)
+        ctx.dtype = draft_logits.dtype
+        return ce, l1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce: Tensor, grad_l1: Tensor) -> tuple[Tensor, None, None]:
+        probs, sign, labels = ctx.saved_tensors
+        # <p, s> per row as one batched dot product (no [n, V] product tensor).
+        mean_sign = torch.bmm(probs[:, None, :], sign[:, :, None]).squeeze(-1)
+        grad = (sign - mean_sign).mul_(grad_l1[:, None].float()).add_(grad_ce[:, None].float()).mul_(probs)
+        grad.scatter_add_(-1, labels[:, None], -grad_ce[:, None].float())
+        return grad.to(ctx.dtype), None, None
 
 
 def acceptance_probability(l1: Tensor) -> Tensor:

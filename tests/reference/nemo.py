@@ -367,11 +367,18 @@ class _Args(dict):
     __getattr__ = dict.__getitem__
 
 
-def dspark_reference(module: Any, width: int) -> Reference:
-    """DSpark under NeMo's ``DSparkTrainerModule``, the draft config from NeMo's ``build_draft_config``, for
-    batches ``width`` tokens wide. NeMo's draft samples its anchors; allowed as many as a row has candidate
-    positions (``width - 1``), it keeps every valid one, so ``step(packed, None)`` trains on a fixed set,
-    which :func:`dspark_anchors` gives in the project's layout."""
+def dspark_reference(
+    module: Any, width: int | None = None, num_anchors: int | None = None, seed: int = 0
+) -> Reference:
+    """DSpark under NeMo's ``DSparkTrainerModule``, the draft config from NeMo's ``build_draft_config``.
+
+    NeMo's draft samples its anchors. Allowed as many as a row has candidate positions (``width - 1`` for
+    batches ``width`` tokens wide), it keeps every valid one, so ``step(packed, None)`` trains on a fixed
+    set, which :func:`dspark_anchors` gives in the project's layout. With a smaller budget ``num_anchors``
+    per row, each step draws from the global RNG seeded with ``seed``, which is the draw
+    ``dspark_anchors(packed, num_anchors, seed)`` gives."""
+    if (width is None) == (num_anchors is None):
+        raise ValueError("pass the batch width (every valid anchor) or num_anchors (a seeded draw), not both")
     config_module, target_module = load("speculative.dspark.config"), load("speculative.dspark.target")
     core, draft_qwen3 = load("speculative.dspark.core"), load("speculative.dspark.draft_qwen3")
     hf = module.target.model
@@ -385,7 +392,7 @@ def dspark_reference(module: Any, width: int) -> Reference:
         markov_head_type=hp.markov_head_type,
         block_size=module.block_size,
         mask_token_id=module.mask_token_id,
-        num_anchors=width - 1,
+        num_anchors=width - 1 if num_anchors is None else num_anchors,
     )
     config = config_module.build_draft_config(hf.config, args)
     config._attn_implementation = "sdpa"  # flex attention runs forward only on CPU
@@ -408,27 +415,32 @@ def dspark_reference(module: Any, width: int) -> Reference:
         batch = wrapper.generate_batch(
             packed.input_ids, packed.attention_mask, packed.loss_mask.long(), **packing
         )
-        return trainer(
-            batch.input_ids,
-            batch.target_hidden_states,
-            batch.loss_mask,
-            target_last_hidden_states=batch.target_last_hidden_states,
-            **packing,
-        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return trainer(
+                batch.input_ids,
+                batch.target_hidden_states,
+                batch.loss_mask,
+                target_last_hidden_states=batch.target_last_hidden_states,
+                **packing,
+            )
 
     return Reference(draft, (), step)
 
 
-def dspark_anchors(packed: Any) -> torch.Tensor:
-    """Every anchor NeMo's DSpark draft trains on for ``packed`` (its own sampler, which then keeps them all),
-    in the project's ``[B, N]`` layout (-1 = none)."""
+def dspark_anchors(packed: Any, num_anchors: int | None = None, seed: int = 0) -> torch.Tensor:
+    """The anchors NeMo's DSpark draft trains on for ``packed`` (its own sampler), in the project's ``[B, N]``
+    layout (-1 = none): every valid one by default, else the draw of a ``dspark_reference(module,
+    num_anchors=num_anchors, seed=seed)`` step."""
     common = load("speculative.dspark.common")
-    anchors, keep = common.sample_anchor_positions(
-        seq_len=packed.input_ids.shape[1],
-        loss_mask=packed.loss_mask.long(),
-        num_anchors=packed.input_ids.shape[1] - 1,
-        device=packed.input_ids.device,
-        doc_remaining=packed.doc_remaining if packs(packed) else None,
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        anchors, keep = common.sample_anchor_positions(
+            seq_len=packed.input_ids.shape[1],
+            loss_mask=packed.loss_mask.long(),
+            num_anchors=packed.input_ids.shape[1] - 1 if num_anchors is None else num_anchors,
+            device=packed.input_ids.device,
+            doc_remaining=packed.doc_remaining if packs(packed) else None,
+        )
     width = int(keep.sum(dim=1).max())
     return torch.where(keep, anchors, -1)[:, :width]

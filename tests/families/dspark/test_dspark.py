@@ -173,6 +173,22 @@ def test_markov_head_shapes_gradients_and_causality(head_type):
     assert not torch.allclose(other[:, 3], bias[:, 3])
 
 
+def test_markov_bias_added_in_one_product_equals_the_formula():
+    """Flat logits take the fused product-and-add: ``logits + W2 e`` written out, and its gradients."""
+    torch.manual_seed(0)
+    head = MarkovHead(vocab_size=11, hidden_size=6, rank=3)
+    logits = torch.randn(5, 11, requires_grad=True)
+    latents = torch.randn(5, 3, requires_grad=True)
+    fused = head.add_bias(logits, latents)
+    expected = logits + latents @ head.markov_w2.weight.T
+    torch.testing.assert_close(fused, expected)
+    probe = torch.randn(5, 11)
+    grads = torch.autograd.grad((fused * probe).sum(), (logits, latents, head.markov_w2.weight))
+    wanted = torch.autograd.grad((expected * probe).sum(), (logits, latents, head.markov_w2.weight))
+    for got, want in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_confidence_head_shapes_and_gradients():
     head = ConfidenceHead(6 + 3)
     hidden = torch.randn(2, 4, 6, requires_grad=True)
@@ -231,6 +247,38 @@ def test_distribution_terms_and_acceptance_by_hand():
     torch.testing.assert_close(acceptance_probability(l1), torch.tensor([0.75]))
     _, same = distribution_terms(teacher, teacher, torch.tensor([0]))
     assert float(same) < 1e-6 and float(acceptance_probability(same)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_distribution_terms_gradient_is_the_formulas_gradient(dtype):
+    """The written-out gradient equals autograd's through the two formulas (log-softmax CE, L1 of the
+    softmax difference), for both terms in any mix, at slots close to their teacher and far from it, and in
+    bf16 (gradient returned in the logits' dtype)."""
+    gen = torch.Generator().manual_seed(3)
+    teacher = torch.randn(2, 5, 40, generator=gen)
+    logits = torch.randn(2, 5, 40, generator=gen)
+    logits[1] = teacher[1] + 0.1 * logits[1]
+    logits = logits.to(dtype)
+    labels = torch.randint(0, 40, (2, 5), generator=gen)
+    w_ce, w_l1 = torch.rand(2, 5, generator=gen), torch.rand(2, 5, generator=gen)
+
+    def formulas(z):
+        log_probs = torch.log_softmax(z.float(), dim=-1)
+        ce = -log_probs.gather(-1, labels[..., None]).squeeze(-1)
+        return ce, (log_probs.exp() - torch.softmax(teacher, dim=-1)).abs().sum(-1)
+
+    results = []
+    for terms in (formulas, lambda z: distribution_terms(z, teacher, labels)):
+        z = logits.clone().requires_grad_(True)
+        ce, l1 = terms(z)
+        ((ce * w_ce).sum() + (l1 * w_l1).sum()).backward()
+        results.append((ce.detach(), l1.detach(), z.grad))
+    (ce, l1, grad), (fast_ce, fast_l1, fast_grad) = results
+    torch.testing.assert_close(fast_ce, ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_l1, l1, rtol=1e-5, atol=1e-5)
+    assert fast_grad.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fast_grad.float(), grad.float(), rtol=tolerance, atol=tolerance)
 
 
 def test_acceptance_sums_by_hand():
