@@ -4,8 +4,8 @@ Usage: context_step.py DRAFT WIDTH TARGETS [--device cpu|cuda] [--threads N] [--
 
 ``DRAFT`` is a quickstart config (``configs/quickstart/<draft>.yaml``: the draft's own settings);
 ``TARGETS`` is ``shipped`` (the config's shipped tiny trained target, documents of 64-768 tokens) or
-``tiny`` (the random tiny targets of ``tests/builders.py``, a 96-id vocabulary and 256 positions,
-documents of 64-256 tokens; the draft vocabulary is the target's). The row packs documents of
+``tiny`` (the random tiny targets of ``tests/builders.py``, a 96-id vocabulary, documents of 64-256
+tokens; the draft vocabulary is the target's). The row packs documents of
 random lengths (seeded; the last one takes what is left), the first quarter of each unsupervised. The
 step is the target forward, the draft, the loss, its backward and one AdamW step. Prints one JSON line:
 the step's peak memory above what the process held before it (CPU: the resident-set high-water mark,
@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -63,16 +64,16 @@ def build_module(draft: str, targets: str):
 
 
 def document_lengths(width: int, low: int, high: int, seed: int) -> list[int]:
-    """Lengths in ``[low, high]`` filling ``width`` exactly (a tail shorter than ``low`` joins the
-    document before it when that stays within ``high``, else stands alone)."""
-    generator = torch.Generator().manual_seed(seed)
+    """Lengths drawn uniformly from ``[low, high]`` filling ``width`` exactly (the last one is what is
+    left; a tail shorter than ``low`` joins the document before it)."""
+    rng = np.random.default_rng(seed)
     lengths, total = [], 0
     while total < width:
-        length = int(torch.randint(low, high + 1, (), generator=generator))
-        lengths.append(min(length, width - total))
+        lengths.append(min(int(rng.integers(low, high + 1)), width - total))
         total += lengths[-1]
-    if len(lengths) > 1 and lengths[-1] < low and lengths[-2] + lengths[-1] <= high:
-        lengths[-2] += lengths.pop()
+    if len(lengths) > 1 and lengths[-1] < low:
+        tail = lengths.pop()
+        lengths[-1] += tail
     return lengths
 
 
