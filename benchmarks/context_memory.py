@@ -86,7 +86,17 @@ def fit(widths: list[int], peaks: list[float]) -> dict:
     design = np.stack([np.ones_like(t), t, t**2], axis=1)
     (a, b, c), *_ = np.linalg.lstsq(design, np.asarray(peaks, dtype=float), rcond=None)
     quadratic_share = c * t[-1] ** 2 / max(peaks[-1], 1.0)
-    return {"exponents": exponents, "a": a, "b": b, "c": c, "quadratic_share": quadratic_share}
+    # The line alone, what the 32k-token test extends to its width.
+    (line_a, line_b), *_ = np.linalg.lstsq(design[:, :2], np.asarray(peaks, dtype=float), rcond=None)
+    return {
+        "exponents": exponents,
+        "a": a,
+        "b": b,
+        "c": c,
+        "quadratic_share": quadratic_share,
+        "line_a": line_a,
+        "line_b": line_b,
+    }
 
 
 def report(draft: str, points: list[dict]) -> None:
@@ -112,6 +122,10 @@ def report(draft: str, points: list[dict]) -> None:
         f" + {growth['c'] * 2**20 / MIB:,.4f} MiB per (1k tokens)^2 * T^2; the T^2 term is "
         f"{growth['quadratic_share']:.0%} of the peak at {widths[-1]:,}; exponent "
         f"{widths[-2]:,} -> {widths[-1]:,}: {last:.2f} ({verdict})"
+    )
+    print(
+        f"line: peak = {growth['line_a'] / MIB:,.1f} MiB + {growth['line_b'] * 1024 / MIB:,.2f} MiB per 1k "
+        f"tokens * T (at 32,768 tokens: {(growth['line_a'] + growth['line_b'] * 32768) / MIB:,.0f} MiB)"
     )
 
 
