@@ -2,9 +2,12 @@
 draft predict some tokens right (so the statistics compared are not all zero), and the comparisons.
 
 Tolerances are fp32 round-off of two implementations that sum in different orders: loss within 5e-6
-absolute plus 1e-6 relative (measured: <= 1.4e-6), every gradient within 1e-4 of its norm (measured:
-<= 1.3e-5). A real objective bug (a wrong weight, a shifted label, a missing term) moves them by orders of
-magnitude more; the statistics are integer counts and must be equal.
+absolute plus 1e-6 relative (measured: <= 1.4e-6), every gradient within 1e-4 of its norm, or of 1% of the
+whole draft gradient's norm where its own is smaller (measured: <= 1.3e-5 of its own norm for every tensor
+but EAGLE-3's query and key projections, whose gradients are ~1e-3 of the whole: there the same ~5e-8 of
+round-off every tensor shows is up to 1.4e-4 of their own norm on one CPU and 1e-5 on another). A real
+objective bug (a wrong weight, a shifted label, a missing term) moves them by orders of magnitude more;
+the statistics are integer counts and must be equal.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from tests.reference.nemo import gradient_pairs
 
 LOSS_ATOL, LOSS_RTOL = 5e-6, 1e-6
 GRAD_RTOL = 1e-4
+# The floor on a gradient's scale, as a fraction of the whole draft gradient's norm: round-off is absolute,
+# so a tensor whose gradient is nearly zero is compared at this scale instead of its own.
+GRAD_FLOOR = 1e-2
 
 
 def documents(vocab: int) -> list[torch.Tensor]:
@@ -80,16 +86,18 @@ def assert_loss_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str = "los
 def assert_gradients_equal(
     draft: torch.nn.Module, reference: torch.nn.Module, renames: Sequence[tuple[str, str]]
 ) -> None:
-    """Every trainable draft tensor's gradient equals NeMo's within :data:`GRAD_RTOL` of its norm (and some
-    gradient is non-zero: a loss that reached no weight would pass trivially)."""
+    """Every trainable draft tensor's gradient equals NeMo's within :data:`GRAD_RTOL` of its norm, floored at
+    :data:`GRAD_FLOOR` of the whole gradient's (and some gradient is non-zero: a loss that reached no weight
+    would pass trivially)."""
     pairs = gradient_pairs(draft, reference, renames)
     assert pairs, "the draft has no trainable tensor"
+    whole = sum(float(theirs.norm()) ** 2 for _, theirs in pairs.values()) ** 0.5
     worst = {}
     for name, (ours, theirs) in pairs.items():
-        scale = float(theirs.norm())
+        scale = max(float(theirs.norm()), GRAD_FLOOR * whole)
         worst[name] = float((ours - theirs).norm()) / max(scale, 1e-12)
         assert float((ours - theirs).norm()) <= GRAD_RTOL * scale + 1e-9, (
-            f"{name}: gradient differs from NeMo's by {worst[name]:.2e} of its norm {scale:.3e}"
+            f"{name}: gradient differs from NeMo's by {worst[name]:.2e} of its scale {scale:.3e} (its norm, at least {GRAD_FLOOR} of the whole gradient's {whole:.3e})"
         )
     assert any(float(theirs.norm()) > 0 for _, theirs in pairs.values()), "every gradient is zero"
 
