@@ -82,6 +82,7 @@ class _GradientInForward(torch.autograd.Function):
         wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
         # Per differentiable output, one gradient buffer per input that wants one.
         grads = [[None] * len(inputs) for _ in range(plan.differentiable)]
+        owned: list[set[int]] = [set() for _ in range(plan.differentiable)]
         results = []
         for start, stop in _pairs(plan.bounds):
             leaves = [t[start:stop].detach().requires_grad_(t.requires_grad) for t in per_block]
@@ -101,7 +102,12 @@ class _GradientInForward(torch.autograd.Function):
                 )
                 for i, grad in zip(wanted, chunk_grads, strict=True):
                     _accumulate(
-                        grads[index], i, grad, inputs[i], (start, stop) if i < len(per_block) else None
+                        grads[index],
+                        owned[index],
+                        i,
+                        grad,
+                        inputs[i],
+                        (start, stop) if i < len(per_block) else None,
                     )
                 del chunk_grads
             results.append(tuple(o.detach() for o in outputs))
@@ -154,22 +160,34 @@ def _check_no_unlisted_weights(outputs: Sequence[Tensor], sources: Sequence[Tens
 
 def _accumulate(
     buffers: list[Tensor | None],
+    owned: set[int],
     index: int,
     grad: Tensor | None,
     source: Tensor,
     rows: tuple[int, int] | None,
 ) -> None:
     """Add one chunk's gradient: into its rows for a per-block input, into the whole for a parameter
-    (summed in fp32 at least: a bf16 running sum over chunks would lose what one matmul keeps)."""
+    (summed in fp32 at least: a bf16 running sum over chunks would lose what one matmul keeps).
+
+    A parameter's first gradient is kept as it is, never written to (a zero buffer and an add would
+    sweep a vocabulary-sized table twice more per step); the first sum makes a buffer of its own
+    (``owned``), which the later chunks add into in place.
+    """
     if grad is None:
         return
-    if buffers[index] is None:
-        dtype = source.dtype if rows is not None else torch.promote_types(source.dtype, torch.float32)
-        buffers[index] = torch.zeros_like(source, dtype=dtype)
-    if rows is None:
-        buffers[index] += grad
-    else:
+    if rows is not None:
+        if buffers[index] is None:
+            buffers[index] = torch.zeros_like(source)
         buffers[index][rows[0] : rows[1]] = grad
+        return
+    current = buffers[index]
+    if current is None:
+        buffers[index] = grad.to(torch.promote_types(source.dtype, torch.float32))
+    elif index in owned:
+        current += grad
+    else:
+        buffers[index] = current + grad
+        owned.add(index)
 
 
 def _pack(tensor: Tensor) -> Tensor:

@@ -42,11 +42,13 @@ from lightning_drafts.core.chain_positions import ChainPositions
 from lightning_drafts.core.checks import check_bool, check_int
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.core.gold_nll import nll_and_argmax
 from lightning_drafts.core.ratio_metric import ratio
 from lightning_drafts.core.target_features import FeatureRequest
+from lightning_drafts.dflash.candidate_logits import candidate_logits
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.export import export_draft
-from lightning_drafts.dflash.objectives import BlockObjective, position_nll
+from lightning_drafts.dflash.objectives import BlockObjective
 from lightning_drafts.dflash.path_selector import selector_cross_entropy
 from lightning_drafts.dflash.reload import load_into_module
 from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_TOP_K, TARGET_LAYER_IDS
@@ -222,6 +224,12 @@ class DFlashModule(DraftModule):
             kept[0] = True
         return kept
 
+    @property
+    def _single_nll_backward(self) -> bool:
+        """One loss term reads the cross-entropy (``lk-lambda``'s two each differentiate it; DFlash2's
+        selector reads the logits only detached), so one backward runs through it."""
+        return self.objective.num_terms == 1
+
     def _positions(self, valid: Tensor) -> ChainPositions:
         """The chain positions whose vocabulary terms are computed (all unless ``block_valid_only``)."""
         return ChainPositions.of(valid, self.hparams.block_valid_only)
@@ -294,11 +302,10 @@ class DFlashModule(DraftModule):
     def _chunk_terms(self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor) -> tuple[Tensor, ...]:
         positions = self._positions(valid)
         logits = self._logits(positions.gather(states))
-        terms = self.objective.chunk_terms(
-            positions.scatter(position_nll(logits, positions.gather(labels))), valid, base
-        )
+        nll, predicted = nll_and_argmax(logits, positions.gather(labels), self._single_nll_backward)
+        terms = self.objective.chunk_terms(positions.scatter(nll), valid, base)
         # -1 is never a label: a position left out is never correct.
-        return (*terms.sums, terms.gold_probability_sum, positions.scatter(logits.argmax(-1), -1))
+        return (*terms.sums, terms.gold_probability_sum, positions.scatter(predicted, -1))
 
     def _over_chunks(
         self, terms: Callable[..., tuple[Tensor, ...]], *per_block: Tensor, differentiable: int = 1
@@ -469,7 +476,8 @@ class DFlash2Module(DFlashModule):
         positions = self._positions(valid)
         kept_states, kept_labels = positions.gather(states), positions.gather(labels)
         logits = self._logits(kept_states)
-        terms = self.objective.chunk_terms(positions.scatter(position_nll(logits, kept_labels)), valid, base)
+        nll, predicted = nll_and_argmax(logits, kept_labels, self._single_nll_backward)
+        terms = self.objective.chunk_terms(positions.scatter(nll), valid, base)
         selector = self.draft.candidate_selector
         unary, candidates = self._candidate_logits(kept_states, logits)
         scores = selector.scores(kept_states, unary, candidates, positions.gather(predecessors))
@@ -491,7 +499,7 @@ class DFlash2Module(DFlashModule):
             *terms.sums,
             selector_sum,
             terms.gold_probability_sum,
-            positions.scatter(logits.argmax(-1), -1),
+            positions.scatter(predicted, -1),
             selector_weight.detach(),
             positions.scatter(covered, False),
             positions.scatter(picks, -1),
@@ -500,18 +508,9 @@ class DFlash2Module(DFlashModule):
 
     def _candidate_logits(self, states: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The top-``selector_top_k`` logits ``[n, K]`` of ``logits [n, V]`` (from the states ``[n, H]``) and
-        their ids, differentiable through only those K rows of the LM head: the selector loss (normalised
-        by a sum known only after every chunk) then has its own gradient without a second full-vocabulary
-        backward. Values stay the top-k values themselves."""
-        values, candidates = logits.detach().topk(self.selector_top_k, dim=-1)
-        if not (torch.is_grad_enabled() and states.requires_grad):
-            return values, candidates
-        head = self.target.lm_head
-        rows = head.weight[candidates]
-        through_rows = (rows @ states.to(rows.dtype).unsqueeze(-1)).squeeze(-1)
-        if head.bias is not None:
-            through_rows = through_rows + head.bias[candidates]
-        return values + (through_rows - through_rows.detach()), candidates
+        their ids, differentiable through only those K rows of the LM head
+        (:func:`~lightning_drafts.dflash.candidate_logits.candidate_logits`)."""
+        return candidate_logits(logits, states, self.target.lm_head.weight, self.selector_top_k)
 
     def _head_parameters(self) -> list[Tensor]:
         return [p for p in self.draft.candidate_selector.parameters() if p.requires_grad]

@@ -40,6 +40,7 @@ from lightning_drafts.attention.block_masks import BlockLayout
 from lightning_drafts.blockdraft.objective import LOSS_EPS
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.checks import is_number
+from lightning_drafts.core.gold_nll import nll_and_argmax
 
 DPACE_LOSS_TYPES = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
 LK_LOSS_TYPES = ("lk-alpha", "lk-tv", "lk-lambda")
@@ -133,9 +134,7 @@ class BlockObjective:
 
 def position_nll(logits: Tensor, labels: Tensor) -> Tensor:
     """fp32 cross-entropy of each position's ``logits [..., V]`` against its gold token ``labels [...]``."""
-    return torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-    ).view_as(labels)
+    return nll_and_argmax(logits, labels)[0]
 
 
 def dpace_weights(gold: Tensor, valid: Tensor, alpha: float, loss_type: str) -> Tensor:

@@ -75,10 +75,11 @@ class MarkovHead(nn.Module):
 
     def add_bias(self, logits: Tensor, latents: Tensor) -> Tensor:
         """``logits + bias(latents)`` (``[..., V]``, in the logits' dtype). Flat ``[n, V]`` logits of the
-        head's dtype take one fused product-and-add, so no separate ``[n, V]`` bias tensor is made and swept."""
+        head's dtype take one fused product-and-add written into ``logits`` itself, so no ``[n, V]`` bias
+        or copy is made and swept: pass logits nothing else reads (a projection's fresh output)."""
         weight = self.markov_w2.weight
         if logits.dim() == 2 and logits.dtype == latents.dtype == weight.dtype:
-            return torch.addmm(logits, latents, weight.t())
+            return logits.addmm_(latents, weight.t())
         return logits + self.bias(latents).to(logits.dtype)
 
     def _recurrent_latents(self, embedded: Tensor, hidden: Tensor) -> Tensor:

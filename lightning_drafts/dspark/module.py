@@ -222,7 +222,9 @@ class DSparkModule(DraftModule):
         teacher_hidden = output.final_states(
             (layout.rows[:, None], supervision.teacher_positions), needed=supervision.valid
         )
-        return self._objective(hidden, supervision, teacher_hidden)
+        # Overlapping blocks share teacher positions: the flat row position names each one.
+        teacher_keys = layout.rows[:, None] * layout.width + supervision.teacher_positions
+        return self._objective(hidden, supervision, teacher_hidden, teacher_keys)
 
     def feature_request(self) -> FeatureRequest:
         """The decoder layers among the feature ids at every token; the final-norm state where a slot's
@@ -245,14 +247,14 @@ class DSparkModule(DraftModule):
         )
 
     def _objective(
-        self, hidden: Tensor, supervision: BlockSupervision, teacher_hidden: Tensor
+        self, hidden: Tensor, supervision: BlockSupervision, teacher_hidden: Tensor, teacher_keys: Tensor
     ) -> DraftOutput:
         valid = supervision.valid
         weights = decay_weights(self.block_size, self.loss_decay_gamma, valid.device) * valid
         numerator, ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
             self._chunk_terms,
             self.logits_chunk_blocks,
-            (hidden, supervision.previous, supervision.labels, valid, weights, teacher_hidden),
+            (hidden, supervision.previous, supervision.labels, valid, weights, teacher_hidden, teacher_keys),
             self.draft.head_parameters(),
         )
         weight_sum = weights.sum()
@@ -274,6 +276,7 @@ class DSparkModule(DraftModule):
         valid: Tensor,
         weights: Tensor,
         teacher_hidden: Tensor,
+        teacher_keys: Tensor,
     ) -> tuple[Tensor, ...]:
         # Validity, not the weight: a supervised slot whose decay underflows to 0 still counts in alpha's sums.
         positions = ChainPositions.of(valid, self.hparams.block_valid_only)
@@ -281,12 +284,19 @@ class DSparkModule(DraftModule):
         logits = self.draft.vocabulary_logits(
             positions.gather(hidden), None if latents is None else positions.gather(latents)
         )
-        # The target's own head: equal to the frozen copy, and it cannot drift if the copy is unfrozen.
-        teacher_logits = self.target.logits(positions.gather(teacher_hidden))
-        # A slot left out gets ce = l1 = 0 (alpha 1): each meets a zero weight or the eval mask only.
-        ce, l1 = (
-            positions.scatter(t) for t in distribution_terms(logits, teacher_logits, positions.gather(labels))
+        # Each distinct teacher position once: its logits and softmax are the same for every slot reading it.
+        keys = positions.gather(teacher_keys)
+        distinct, teacher_index = torch.unique(keys, return_inverse=True)
+        first = torch.full_like(distinct, keys.numel()).scatter_reduce_(
+            0, teacher_index, torch.arange(keys.numel(), device=keys.device), "amin"
         )
+        # The target's own head: equal to the frozen copy, and it cannot drift if the copy is unfrozen.
+        teacher_logits = self.target.logits(positions.gather(teacher_hidden).index_select(0, first))
+        ce, l1, predicted = distribution_terms(
+            logits, teacher_logits, positions.gather(labels), teacher_index
+        )
+        # A slot left out gets ce = l1 = 0 (alpha 1): each meets a zero weight or the eval mask only.
+        ce, l1 = positions.scatter(ce), positions.scatter(l1)
         alpha = acceptance_probability(l1)
         if confidence is None:
             conf_sum, confidence = ce.new_zeros(()), torch.zeros_like(alpha)
@@ -300,7 +310,7 @@ class DSparkModule(DraftModule):
             tv_sum.detach(),
             conf_sum.detach(),
             # -1 is never a label: a slot left out is never correct.
-            positions.scatter(logits.argmax(dim=-1), -1),
+            positions.scatter(predicted, -1),
             alpha,
             confidence.detach(),
         )

@@ -52,15 +52,27 @@ class LossWeights:
         return self.ce * ce_sum + self.tv * tv_sum + self.conf * conf_sum
 
 
-def distribution_terms(draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Per slot ``[...]`` (``draft_logits`` / ``teacher_logits`` ``[..., V]``, ``labels`` ``[...]``): fp32
-    cross-entropy against ``labels`` and the L1 distance between the draft and the (detached) teacher
-    distributions, differentiable in ``draft_logits``."""
+def distribution_terms(
+    draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor, teacher_index: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per slot ``[...]`` (``draft_logits`` ``[..., V]``, ``labels`` ``[...]``): fp32 cross-entropy against
+    ``labels``, the L1 distance between the draft and the (detached) teacher distributions, differentiable
+    in ``draft_logits``, and the draft's argmax (the first maximal id, as ``argmax``).
+
+    ``teacher_logits`` are ``[..., V]`` aligned with the slots, or, with ``teacher_index`` (``[...]``
+    indices into its rows), ``[u, V]`` logits of distinct teacher positions that several slots share:
+    each teacher softmax is then computed once.
+    """
     vocab = draft_logits.shape[-1]
-    ce, l1 = _DistributionTerms.apply(
-        draft_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), labels.reshape(-1).long()
+    if teacher_index is not None:
+        teacher_index = teacher_index.reshape(-1)
+    ce, l1, predicted = _DistributionTerms.apply(
+        draft_logits.reshape(-1, vocab),
+        teacher_logits.detach().reshape(-1, vocab),
+        labels.reshape(-1).long(),
+        teacher_index,
     )
-    return ce.view(labels.shape), l1.view(labels.shape)
+    return ce.view(labels.shape), l1.view(labels.shape), predicted.view(labels.shape)
 
 
 class _DistributionTerms(torch.autograd.Function):
@@ -70,29 +82,48 @@ class _DistributionTerms(torch.autograd.Function):
     tensor per step, the bulk of the vocabulary terms' non-matmul time. With ``s = sign(p - q)``:
 
     ``d ce / d z = p - onehot(y)``, ``d l1 / d z = p * (s - <p, s>)``.
+
+    ``lse`` comes from the softmax itself: its largest entry is ``exp(0) / sum_v exp(z_v - max z)``, so
+    ``lse = max z - log(max p)`` without a second exponential sweep. The backward reuses the saved
+    ``[n, V]`` buffers in place, so it runs once (as after any backward that frees its graph).
     """
 
     @staticmethod
-    def forward(ctx, draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx, draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor, teacher_index: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         logits = draft_logits.float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        probs = torch.sub(logits, lse).exp_()
-        ce = lse.squeeze(-1) - logits.gather(-1, labels[:, None]).squeeze(-1)
-        difference = torch.softmax(teacher_logits.float(), dim=-1).neg_().add_(probs)
+        top, predicted = logits.max(dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        lse = top - probs.amax(dim=-1).log()
+        ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
+        teacher = torch.softmax(teacher_logits.float(), dim=-1)
+        if teacher_index is not None:
+            teacher = teacher.index_select(0, teacher_index)
+        difference = teacher.neg_().add_(probs)
         l1 = torch.linalg.vector_norm(difference, ord=1, dim=-1)
         ctx.save_for_backward(probs, difference.sign_(), labels)
-        ctx.dtype = draft_logits.dtype
-        return ce, l1
+        ctx.dtype, ctx.used = draft_logits.dtype, False
+        ctx.mark_non_differentiable(predicted)
+        return ce, l1, predicted
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_ce: Tensor, grad_l1: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx, grad_ce: Tensor, grad_l1: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:
+        if ctx.used:
+            raise RuntimeError(
+                "backward ran twice through the DSpark distribution terms, whose buffers the first backward "
+                "reused; run one backward per forward (recompute the loss to differentiate it again)"
+            )
+        ctx.used = True
         probs, sign, labels = ctx.saved_tensors
-        # <p, s> per row as one batched dot product (no [n, V] product tensor).
-        mean_sign = torch.bmm(probs[:, None, :], sign[:, :, None]).squeeze(-1)
-        grad = (sign - mean_sign).mul_(grad_l1[:, None].float()).add_(grad_ce[:, None].float()).mul_(probs)
-        grad.scatter_add_(-1, labels[:, None], -grad_ce[:, None].float())
-        return grad.to(ctx.dtype), None, None
+        grad_ce, grad_l1 = grad_ce.float()[:, None], grad_l1.float()[:, None]
+        # p * s is exact (s is -1, 0 or 1); grad = g_l1 p s + p (g_ce - g_l1 <p, s>), written into s.
+        signed = sign.mul_(probs)
+        mean_sign = signed.sum(-1, keepdim=True)
+        grad = signed.mul_(grad_l1).addcmul_(probs, grad_ce - grad_l1 * mean_sign)
+        grad.scatter_add_(-1, labels[:, None], -grad_ce)
+        return grad.to(ctx.dtype), None, None, None
 
 
 def acceptance_probability(l1: Tensor) -> Tensor:

@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
+from lightning_drafts.attention.block_masks import block_layout
+from lightning_drafts.core.chunked_terms import chunk_bounds
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.training.module import DraftModule
 from tests.block_draft_cases import BLOCK, holed_case, to_padded
@@ -222,7 +224,12 @@ class RowsThrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+        if func.overloadpacket in (
+            torch.ops.aten.mm,
+            torch.ops.aten.addmm,
+            torch.ops.aten.addmm_,
+            torch.ops.aten.bmm,
+        ):
             read = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             for name, storage in self.storages.items():
                 if storage in read:
@@ -244,6 +251,21 @@ def weights_of(module: DraftModule) -> dict[str, torch.Tensor]:
     return {**weights, "head": module.target.lm_head.weight}
 
 
+def distinct_teacher_positions(module: DSparkModule, batch: dict, inputs: dict, among: torch.Tensor) -> int:
+    """Distinct (row, anchor + k) teacher positions of the slots ``among`` flags, counted per chunk of
+    ``logits_chunk_blocks`` blocks (the remainder first), each block's row and anchor in layout order."""
+    packed = module.prepare_batch(batch)
+    layout = block_layout(packed, inputs["anchors"], module.block_size)
+    width = packed.shape[1]
+    positions = (layout.anchors[:, None] + torch.arange(module.block_size)).clamp(max=width - 1)
+    keys = layout.rows[:, None] * width + positions
+    bounds = chunk_bounds(layout.num_blocks, module.logits_chunk_blocks)
+    return sum(
+        int(keys[start:stop][among[start:stop]].unique().numel())
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True)
+    )
+
+
 @pytest.mark.parametrize("module_name", ["dflash", "dflash-variable-prefix-window", "dflash2", "dspark"])
 def test_vocabulary_rows_follow_the_supervised_positions_and_queries_the_kept_blocks(module_name):
     skip, every = pair(module_name)
@@ -260,6 +282,13 @@ def test_vocabulary_rows_follow_the_supervised_positions_and_queries_the_kept_bl
     for weight, reference in counted["every"].items():
         if weight == "query":
             assert counted["skip"][weight] * blocks == reference * kept
+        elif weight == "teacher head":
+            # Once per distinct teacher position of a chunk: overlapping blocks share them.
+            every_slot = torch.ones_like(valid)
+            for name, among in (("skip", valid), ("every", every_slot)):
+                distinct = distinct_teacher_positions(skip, batch, inputs, among)
+                assert counted[name][weight] == distinct, name
+            assert 0 < counted["skip"][weight] < supervised
         else:
             assert counted["skip"][weight] * positions == reference * supervised
             assert counted["skip"][weight] > 0

@@ -179,7 +179,7 @@ def test_markov_bias_added_in_one_product_equals_the_formula():
     head = MarkovHead(vocab_size=11, hidden_size=6, rank=3)
     logits = torch.randn(5, 11, requires_grad=True)
     latents = torch.randn(5, 3, requires_grad=True)
-    fused = head.add_bias(logits, latents)
+    fused = head.add_bias(logits * 1.0, latents)
     expected = logits + latents @ head.markov_w2.weight.T
     torch.testing.assert_close(fused, expected)
     probe = torch.randn(5, 11)
@@ -241,11 +241,12 @@ def test_no_markov_head_and_no_confidence_head():
 def test_distribution_terms_and_acceptance_by_hand():
     draft = torch.tensor([[0.0, 0.0]])  # p = (1/2, 1/2)
     teacher = torch.tensor([[math.log(3.0), 0.0]])  # q = (3/4, 1/4)
-    ce, l1 = distribution_terms(draft, teacher, torch.tensor([0]))
+    ce, l1, predicted = distribution_terms(draft, teacher, torch.tensor([0]))
+    assert predicted.tolist() == [0]  # a tie: the first maximal id, as argmax
     torch.testing.assert_close(ce, torch.tensor([math.log(2.0)]))
     torch.testing.assert_close(l1, torch.tensor([0.5]))
     torch.testing.assert_close(acceptance_probability(l1), torch.tensor([0.75]))
-    _, same = distribution_terms(teacher, teacher, torch.tensor([0]))
+    _, same, _ = distribution_terms(teacher, teacher, torch.tensor([0]))
     assert float(same) < 1e-6 and float(acceptance_probability(same)) == pytest.approx(1.0)
 
 
@@ -268,7 +269,7 @@ def test_distribution_terms_gradient_is_the_formulas_gradient(dtype):
         return ce, (log_probs.exp() - torch.softmax(teacher, dim=-1)).abs().sum(-1)
 
     results = []
-    for terms in (formulas, lambda z: distribution_terms(z, teacher, labels)):
+    for terms in (formulas, lambda z: distribution_terms(z, teacher, labels)[:2]):
         z = logits.clone().requires_grad_(True)
         ce, l1 = terms(z)
         ((ce * w_ce).sum() + (l1 * w_l1).sum()).backward()
@@ -279,6 +280,28 @@ def test_distribution_terms_gradient_is_the_formulas_gradient(dtype):
     assert fast_grad.dtype == dtype
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fast_grad.float(), grad.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_distribution_terms_with_shared_teacher_rows_equal_one_row_per_slot():
+    """Slots that share a teacher position, given its logits once and an index, get the terms, argmax
+    and gradient of the one-row-per-slot call; backward runs once (its buffers are reused)."""
+    gen = torch.Generator().manual_seed(5)
+    distinct = torch.randn(3, 30, generator=gen)
+    index = torch.tensor([0, 1, 1, 2, 0, 2, 2])
+    logits = torch.randn(7, 30, generator=gen)
+    logits[2, 4] = logits[2, 9] = logits[2].max() + 1.0  # a tied maximum
+    labels = torch.randint(0, 30, (7,), generator=gen)
+    results = []
+    for teacher, teacher_index in ((distinct[index], None), (distinct, index)):
+        z = logits.clone().requires_grad_(True)
+        ce, l1, predicted = distribution_terms(z, teacher, labels, teacher_index)
+        (ce.sum() + 0.5 * l1.sum()).backward(retain_graph=True)
+        results.append((ce.detach(), l1.detach(), predicted, z.grad))
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            (ce.sum() + l1.sum()).backward()
+    for one, shared in zip(*results, strict=True):
+        torch.testing.assert_close(shared, one, rtol=0, atol=0)
+    assert torch.equal(results[0][2], logits.argmax(-1)) and int(results[0][2][2]) == 4
 
 
 def test_acceptance_sums_by_hand():

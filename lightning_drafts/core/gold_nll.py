@@ -1,0 +1,49 @@
+"""Cross-entropy against a gold token and the argmax, from one softmax over the vocabulary.
+
+``F.cross_entropy`` on ``[n, V]`` logits writes a log-softmax, then in backward a zero ``[n, V]``
+gradient, its scatter and a log-softmax backward: three vocabulary-wide tensors and as many sweeps per
+step. Written out, ``nll = lse(z) - z[y]`` and ``d nll / d z = softmax(z) - onehot(y)`` need the softmax
+alone, and its largest entry ``exp(0) / sum_v exp(z_v - max z)`` gives ``lse = max z - log(max p)``;
+the row maximum's index is the argmax a draft's statistics read, so the same pass returns it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+
+def nll_and_argmax(logits: Tensor, labels: Tensor, single_backward: bool = False) -> tuple[Tensor, Tensor]:
+    """fp32 cross-entropy of each position's ``logits [..., V]`` against ``labels [...]`` (differentiable in
+    ``logits``) and its argmax ``[...]`` (the first maximal id, as ``Tensor.argmax``).
+
+    ``single_backward``: one backward runs through the cross-entropy (one loss term reads it), so the
+    gradient is written into the saved softmax instead of a new ``[n, V]`` tensor; a second backward
+    then raises (the saved softmax was modified in place) instead of returning a wrong gradient.
+    """
+    vocab = logits.shape[-1]
+    nll, predicted = _GoldNll.apply(logits.reshape(-1, vocab), labels.reshape(-1).long(), single_backward)
+    return nll.view(labels.shape), predicted.view(labels.shape)
+
+
+class _GoldNll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, single_backward: bool) -> tuple[Tensor, Tensor]:
+        values = logits.float()
+        top, predicted = values.max(dim=-1)
+        probs = torch.softmax(values, dim=-1)
+        nll = top - probs.amax(dim=-1).log() - values.gather(-1, labels[:, None]).squeeze(-1)
+        ctx.save_for_backward(probs, labels)
+        ctx.dtype, ctx.single_backward = logits.dtype, single_backward
+        ctx.mark_non_differentiable(predicted)
+        return nll, predicted
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_nll: Tensor, _: Tensor | None) -> tuple[Tensor | None, None, None]:
+        probs, labels = ctx.saved_tensors
+        scale = grad_nll.float()[:, None]
+        grad = probs.mul_(scale) if ctx.single_backward else probs * scale
+        grad.scatter_add_(-1, labels[:, None], -scale)
+        return grad.to(ctx.dtype), None, None
