@@ -164,6 +164,7 @@ def test_the_state_dict_leaves_out_the_whole_target_and_loading_neither_asks_for
     for name, value in module.target.model.state_dict().items():
         assert torch.equal(value, built[name]), name
 
+
 def test_sdpa_on_the_cpu_attends_per_tile_and_equals_each_document_alone(target_config):
     from lightning_drafts.training.tiled_target_attention import TILED_ATTENTION
 
