@@ -413,7 +413,7 @@ class FrozenTarget(nn.Module):
             return self._decoder(
                 input_ids=packed.input_ids,
                 position_ids=packed.position_ids,
-                **{MASK_ARGUMENT: tile_block_causal_mask(packed.doc_start)},
+                **{MASK_ARGUMENT: tuple(tile_block_causal_mask(starts[None]) for starts in packed.doc_start)},
             )
         finally:
             self.model.set_attn_implementation(HF_ATTENTION[self.backend])

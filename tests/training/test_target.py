@@ -194,5 +194,20 @@ def test_the_tiled_attention_refuses_a_forward_without_its_mask(target_config):
 
     target = FrozenTarget(target_config, attn_backend="sdpa")
     target.model.set_attn_implementation(TILED_ATTENTION)
-    with pytest.raises(ValueError, match="needs the batch's TiledMask as the forward's 'document_tiles'"):
+    with pytest.raises(ValueError, match="needs one TiledMask per row of the batch"):
         target.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+
+
+def test_a_rows_features_do_not_depend_on_the_rows_batched_with_it(target_config):
+    # A capture batches rows otherwise than the fit that trains or validates on them, and float32 features
+    # must be the online ones exactly: a query tile's keys may depend on its own row only.
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    long_doc = random_docs([600], seed=5)
+    short_docs = random_docs([200, 100, 300], seed=6)
+    row = packed_row(short_docs, 600)
+    alone_hidden, alone_logits = run(target, row)
+    batched_hidden, batched_logits = run(target, stack_rows([packed_row(long_doc, 600), row]))
+    tol = tolerance(target_config)
+    for alone, batched in zip(alone_hidden, batched_hidden, strict=True):
+        torch.testing.assert_close(batched[1], alone[0], **tol)
+    torch.testing.assert_close(batched_logits[1], alone_logits[0], **tol)
