@@ -20,13 +20,13 @@ from lightning_drafts.attention.backends import (
     block_mask_from_mask_mod,
     document_causal_mask_mod,
 )
+from lightning_drafts.attention.document_tiles import tile_block_causal_mask
 from lightning_drafts.attention.query_subset import (
     flat_document_starts,
     subset_causal_mask,
     subset_causal_mask_mod,
     tile_subset_causal_mask,
 )
-from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.checks import check_bool, check_int, is_number
 from lightning_drafts.core.draft_output import DraftOutput
@@ -344,8 +344,10 @@ class Eagle3Base(DraftModule):
             batch, width = packed.shape
             mask_mod = document_causal_mask_mod(packed.doc_ids)
             return block_mask_from_mask_mod(mask_mod, batch, width, width, packed.input_ids.device)
-        mask = block_causal_mask(packed.doc_ids)
-        return tile_dense_mask(mask) if backend == "sdpa" else mask
+        if backend == "sdpa":
+            # Straight from the document starts: the dense [B, 1, T, T] form grows with the square of T.
+            return tile_block_causal_mask(packed.doc_start)
+        return block_causal_mask(packed.doc_ids)
 
     def live_attention_mask(self, starts: Tensor, slots: Tensor) -> Any:
         """Block 1's mask for the queries at flat ``slots`` (ascending) against the micro-batch's

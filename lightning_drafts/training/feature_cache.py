@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from torch import Tensor
 
+from lightning_drafts.core.output_lock import exclusive_output
 from lightning_drafts.datamodules.document_features import DocumentFeatures, cut_documents, shard_tensors
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.feature_store import read_manifest, write_manifest, write_shard
@@ -61,7 +63,11 @@ class FeatureCache:
         self.received_dir = self.directory / RECEIVED
         # (source, corpus offset) -> the received file holding that document.
         self.index: dict[tuple[str, int], Path] = {}
+        # Held until the directory is complete: a second run filling it would interleave its units and
+        # assemble shards from another run's half.
+        self._writer = ExitStack()
         if not self.complete:
+            self._writer.enter_context(exclusive_output(self.directory))
             self.directory.mkdir(parents=True, exist_ok=True)
             if existing is None:
                 write_manifest(self.directory, {**self.manifest, "complete": False, "capture_seconds": 0.0})
@@ -121,6 +127,7 @@ class FeatureCache:
         write_manifest(self.directory, {**self.manifest, "complete": True, "capture_seconds": 0.0})
         shutil.rmtree(self.received_dir, ignore_errors=True)
         self.complete = True
+        self._writer.close()
 
     def _shard(self, source: str, documents: Documents) -> dict[str, Tensor]:
         features, handles = {}, {}

@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules.feature_store import dequantize_rows
 from lightning_drafts.datamodules.loader import PackedEpochDataset
 from lightning_drafts.training.feature_cache import FeatureCache
 from tests.features.feature_cases import DATA, WIDTH, capture, corpus
 from tests.features.test_capture import eagle3
+from tests.lock_holder import held_by_another_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,3 +103,16 @@ def test_a_directory_of_another_capture_is_refused_naming_the_field(tmp_path):
         ValueError, match=r"records another capture: its 'dtype' is 'bfloat16', this one's 'float16'"
     ):
         FeatureCache(tmp_path / "features", module, {"data_files": docs}, DATA, "float16", SMALL_SHARDS)
+
+
+def test_a_cache_another_run_is_filling_is_refused_and_left_alone(tmp_path):
+    module, docs = eagle3(), corpus()
+    with held_by_another_process(tmp_path / "cached") as holder:
+        with pytest.raises(
+            OutputInUse, match=rf"cached is being written by another run \(process {holder.pid} "
+        ):
+            FeatureCache(tmp_path / "cached", module, {"data_files": docs}, DATA, "bfloat16", SMALL_SHARDS)
+    assert not (tmp_path / "cached").exists()
+    # Once the other run is gone, the cache is this run's.
+    FeatureCache(tmp_path / "cached", module, {"data_files": docs}, DATA, "bfloat16", SMALL_SHARDS)
+    assert (tmp_path / "cached" / "received").is_dir()

@@ -163,3 +163,51 @@ def test_the_state_dict_leaves_out_the_whole_target_and_loading_neither_asks_for
     assert torch.equal(module.head.weight, draft["head.weight"] + 1)
     for name, value in module.target.model.state_dict().items():
         assert torch.equal(value, built[name]), name
+
+
+def test_sdpa_on_the_cpu_attends_per_tile_and_equals_each_document_alone(target_config):
+    from lightning_drafts.training.tiled_target_attention import TILED_ATTENTION
+
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    docs = random_docs([30, 3, 41, 17], seed=4)
+    seen = []
+    hook = target.decoder_layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config._attn_implementation)
+    )
+    hidden, _ = run(target, packed_row(docs, 100))
+    hook.remove()
+    assert seen == [TILED_ATTENTION]
+    # Every other caller of the model keeps transformers' SDPA, masks and cache included.
+    assert target.model.config._attn_implementation == "sdpa"
+    start = 0
+    for doc in docs:
+        alone = target.model(input_ids=doc[None], output_hidden_states=True, use_cache=False).hidden_states
+        for layer, h in zip(LAYERS, hidden, strict=True):
+            torch.testing.assert_close(
+                h[0, start : start + len(doc)], alone[layer + 1][0], atol=2e-5, rtol=1e-4
+            )
+        start += len(doc)
+
+
+def test_the_tiled_attention_refuses_a_forward_without_its_mask(target_config):
+    from lightning_drafts.training.tiled_target_attention import TILED_ATTENTION
+
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    target.model.set_attn_implementation(TILED_ATTENTION)
+    with pytest.raises(ValueError, match="needs one TiledMask per row of the batch"):
+        target.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+
+
+def test_a_rows_features_do_not_depend_on_the_rows_batched_with_it(target_config):
+    # A capture batches rows otherwise than the fit that trains or validates on them, and float32 features
+    # must be the online ones exactly: a query tile's keys may depend on its own row only.
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    long_doc = random_docs([600], seed=5)
+    short_docs = random_docs([200, 100, 300], seed=6)
+    row = packed_row(short_docs, 600)
+    alone_hidden, alone_logits = run(target, row)
+    batched_hidden, batched_logits = run(target, stack_rows([packed_row(long_doc, 600), row]))
+    tol = tolerance(target_config)
+    for alone, batched in zip(alone_hidden, batched_hidden, strict=True):
+        torch.testing.assert_close(batched[1], alone[0], **tol)
+    torch.testing.assert_close(batched_logits[1], alone_logits[0], **tol)
