@@ -3,8 +3,7 @@
 ``F.cross_entropy`` on ``[n, V]`` logits writes a log-softmax, then in backward a zero ``[n, V]``
 gradient, its scatter and a log-softmax backward: three vocabulary-wide tensors and as many sweeps per
 step. Written out, ``nll = lse(z) - z[y]`` and ``d nll / d z = softmax(z) - onehot(y)`` need the softmax
-alone, and its largest entry ``exp(0) / sum_v exp(z_v - max z)`` gives ``lse = max z - log(max p)``;
-the row maximum's index is the argmax a draft's statistics read, so the same pass returns it.
+alone (:func:`softmax_lse_argmax`).
 """
 
 from __future__ import annotations
@@ -27,13 +26,22 @@ def nll_and_argmax(logits: Tensor, labels: Tensor, single_backward: bool = False
     return nll.view(labels.shape), predicted.view(labels.shape)
 
 
+def softmax_lse_argmax(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``softmax(values)`` of fp32 ``values [n, V]``, its log-sum-exp ``[n]`` and its argmax ``[n]`` (the
+    first maximal id, as ``Tensor.argmax``) from one exponential sweep: the softmax's entry at the row
+    maximum is ``exp(0) / sum_v exp(z_v - max z)``, so ``lse = max z - log p[argmax]``."""
+    top, predicted = values.max(dim=-1)
+    probs = torch.softmax(values, dim=-1)
+    lse = top - probs.gather(-1, predicted[:, None]).squeeze(-1).log()
+    return probs, lse, predicted
+
+
 class _GoldNll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, single_backward: bool) -> tuple[Tensor, Tensor]:
         values = logits.float()
-        top, predicted = values.max(dim=-1)
-        probs = torch.softmax(values, dim=-1)
-        nll = top - probs.amax(dim=-1).log() - values.gather(-1, labels[:, None]).squeeze(-1)
+        probs, lse, predicted = softmax_lse_argmax(values)
+        nll = lse - values.gather(-1, labels[:, None]).squeeze(-1)
         ctx.save_for_backward(probs, labels)
         ctx.dtype, ctx.single_backward = logits.dtype, single_backward
         ctx.mark_non_differentiable(predicted)

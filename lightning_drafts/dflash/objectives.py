@@ -40,7 +40,6 @@ from lightning_drafts.attention.block_masks import BlockLayout
 from lightning_drafts.blockdraft.objective import LOSS_EPS
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.checks import is_number
-from lightning_drafts.core.gold_nll import nll_and_argmax
 
 DPACE_LOSS_TYPES = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
 LK_LOSS_TYPES = ("lk-alpha", "lk-tv", "lk-lambda")
@@ -103,7 +102,8 @@ class BlockObjective:
 
     def chunk_terms(self, nll: Tensor, valid: Tensor, base: Tensor) -> ChunkTerms:
         """The loss terms of a chunk of whole blocks from its fp32 cross-entropies ``nll [m, D]``
-        (:func:`position_nll`); any finite value stands where not ``valid``: it only meets zero weights."""
+        (:func:`~lightning_drafts.core.gold_nll.nll_and_argmax`); any finite value stands where not
+        ``valid``: it only meets zero weights."""
         gold = torch.exp(-nll)
         weights = base
         if self.is_dpace:
@@ -130,11 +130,6 @@ class BlockObjective:
         """``lk-lambda``'s ``kappa = kl_scale exp(-kl_decay mean alpha)`` over the micro-batch (detached)."""
         mean = gold_probability_sum.detach() / supervised.float().clamp(min=1.0)
         return self.kl_scale * torch.exp(-self.kl_decay * mean)
-
-
-def position_nll(logits: Tensor, labels: Tensor) -> Tensor:
-    """fp32 cross-entropy of each position's ``logits [..., V]`` against its gold token ``labels [...]``."""
-    return nll_and_argmax(logits, labels)[0]
 
 
 def dpace_weights(gold: Tensor, valid: Tensor, alpha: float, loss_type: str) -> Tensor:

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 # Reused, not copied: DSpark's position decay and epsilon are DFlash's (exp(-k / gamma), 1e-6).
 from lightning_drafts.blockdraft.objective import LOSS_EPS, decay_weights
+from lightning_drafts.core.gold_nll import softmax_lse_argmax
 
 __all__ = [
     "LOSS_EPS",
@@ -83,8 +84,8 @@ class _DistributionTerms(torch.autograd.Function):
 
     ``d ce / d z = p - onehot(y)``, ``d l1 / d z = p * (s - <p, s>)``.
 
-    ``lse`` comes from the softmax itself: its largest entry is ``exp(0) / sum_v exp(z_v - max z)``, so
-    ``lse = max z - log(max p)`` without a second exponential sweep. The backward reuses the saved
+    ``lse`` comes from the softmax itself (:func:`~lightning_drafts.core.gold_nll.softmax_lse_argmax`).
+    The backward reuses the saved
     ``[n, V]`` buffers in place, so it runs once (as after any backward that frees its graph).
     """
 
@@ -93,9 +94,7 @@ class _DistributionTerms(torch.autograd.Function):
         ctx, draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor, teacher_index: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         logits = draft_logits.float()
-        top, predicted = logits.max(dim=-1)
-        probs = torch.softmax(logits, dim=-1)
-        lse = top - probs.amax(dim=-1).log()
+        probs, lse, predicted = softmax_lse_argmax(logits)
         ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
         teacher = torch.softmax(teacher_logits.float(), dim=-1)
         if teacher_index is not None:

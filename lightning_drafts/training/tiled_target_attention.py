@@ -8,9 +8,12 @@ instead hands every layer's queries, keys and values to :func:`tiled_target_atte
 :class:`~lightning_drafts.attention.tiled.TiledMask` per row of the batch from the forward's keyword
 arguments (transformers passes them to the attention function untouched) and runs PyTorch's fused CPU
 flash kernel per query tile over the keys the tile sees: the same kernel SDPA picks on the CPU, over the
-same visible keys. One mask per row, not one for the batch, because a batch's tile is as wide as its
-widest row's, and the kernel's sums round differently over another width: a capture batches rows
-otherwise than the fit that reads its features, and float32 features must be the online ones exactly. Transformers builds no mask of its own for an implementation its mask interface does not know.
+same visible keys. Transformers builds no mask of its own for an implementation its mask interface does
+not know.
+
+One mask per row, not one for the batch: a batch's tile is as wide as its widest row's, and the kernel's
+sums round differently over another width, while a capture batches rows otherwise than the fit that
+reads its features and float32 features must be the online ones exactly.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from lightning_drafts.core.acceptance import acceptance_length, prefix_counts, s
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
-from lightning_drafts.dflash.objectives import LOSS_TYPES, BlockObjective, dpace_weights, position_nll
+from lightning_drafts.core.gold_nll import nll_and_argmax
+from lightning_drafts.dflash.objectives import LOSS_TYPES, BlockObjective, dpace_weights
 from tests.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,
@@ -143,7 +144,7 @@ def test_every_objective_equals_the_reference_on_random_logits(loss_type, known)
     def terms(
         chunk_logits: torch.Tensor, labels: torch.Tensor, chunk_valid: torch.Tensor, chunk_base: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        result = objective.chunk_terms(position_nll(chunk_logits, labels), chunk_valid, chunk_base)
+        result = objective.chunk_terms(nll_and_argmax(chunk_logits, labels)[0], chunk_valid, chunk_base)
         return (*result.sums, result.gold_probability_sum)
 
     for chunk in (None, 1, 3):
@@ -275,7 +276,7 @@ def test_a_row_level_unit_would_differ_between_the_layouts(loss_type):
     values, per_row = {}, {}
     for name, layout in layouts.items():
         base, denominator = objective.base_weights(batches[name], layout, valid, decay)
-        terms = objective.chunk_terms(position_nll(logits, labels), valid, base)
+        terms = objective.chunk_terms(nll_and_argmax(logits, labels)[0], valid, base)
         values[name] = objective.loss(terms.sums, terms.gold_probability_sum, valid.sum(), denominator)
         rows = layout.rows.tolist()
         if loss_type == "dpace":
