@@ -18,7 +18,9 @@ A step is the whole of it: the batch check, the target forward, the draft, the l
 clipping at 1.0 and AdamW. Time is process CPU time at one thread (``torch.set_num_threads(1)``): on a
 shared machine it is what the step cost, whatever else ran. Epochs alternate ours, NeMo's, ours, ... per
 layout (interleaved pairs), and the figure is NeMo's CPU time over ours (how many times faster ours is),
-median over the pairs with their range. Before timing, the first micro-batch of each layout is stepped
+median over the pairs with their range. Process CPU time is user-mode and kernel time; the kernel's part is
+mostly the zeroing of fresh pages for large allocations, which costs more on some machines (a newly started
+virtual machine) than on others, so the ratio of user-mode time alone is printed beside it. Before timing, the first micro-batch of each layout is stepped
 once by both from the same weights and the two losses printed: equal losses are what proves equal work.
 Saved activations (autograd's saved tensors, parameters excluded) are compared per real token.
 
@@ -102,6 +104,8 @@ class Side:
 class LayoutResult:
     ours_cpu: list[float]
     theirs_cpu: list[float]
+    ours_user: list[float]
+    theirs_user: list[float]
     loss_ours: float
     loss_theirs: float
     saved_ours: int
@@ -111,6 +115,9 @@ class LayoutResult:
 
     def speedups(self) -> list[float]:
         return [t / o for o, t in zip(self.ours_cpu, self.theirs_cpu, strict=True)]
+
+    def user_speedup(self) -> float:
+        return statistics.median(self.theirs_user) / statistics.median(self.ours_user)
 
 
 # --- the workload ----------------------------------------------------------------------------------------
@@ -212,12 +219,18 @@ def sides(
     return ours_side, theirs_side, nemo_anchors
 
 
-def epoch_cpu_seconds(side: Side, args: argparse.Namespace, batches: list, anchors: list) -> float:
+def epoch_cpu_seconds(
+    side: Side, args: argparse.Namespace, batches: list, anchors: list
+) -> tuple[float, float]:
+    """The epoch's process CPU time and the user-mode part of it (the rest is the kernel's, mostly zeroing
+    the fresh pages of large allocations: how much of it a step costs depends on the machine)."""
     optimizer = side.fresh(args.learning_rate)
-    start = time.process_time()
+    start = os.times()
     for batch, batch_anchors in zip(batches, anchors, strict=True):
         side.step(optimizer, batch, batch_anchors)
-    return time.process_time() - start
+    stop = os.times()
+    user = stop.user - start.user
+    return user + stop.system - start.system, user
 
 
 def saved_bytes(side: Side, batch: dict[str, Tensor], anchors: Tensor | None, learning_rate: float) -> int:
@@ -247,13 +260,15 @@ def measure_layout(
     loss_theirs = theirs.step(theirs.fresh(args.learning_rate), batches[0], anchors[0])
     log(f"{name} {layout}: first-batch loss ours {loss_ours:.7f}, NeMo {loss_theirs:.7f}")
     saved = [saved_bytes(side, batches[0], anchors[0], args.learning_rate) for side in (ours, theirs)]
-    ours_cpu, theirs_cpu = [], []
+    ours_cpu, theirs_cpu, ours_user, theirs_user = [], [], [], []
     for repeat in range(args.repeats):
-        ours_cpu.append(epoch_cpu_seconds(ours, args, batches, anchors))
-        theirs_cpu.append(epoch_cpu_seconds(theirs, args, batches, anchors))
+        for cpu, user, side in ((ours_cpu, ours_user, ours), (theirs_cpu, theirs_user, theirs)):
+            total, in_user = epoch_cpu_seconds(side, args, batches, anchors)
+            cpu.append(total)
+            user.append(in_user)
         log(
-            f"{name} {layout}: pair {repeat + 1}/{args.repeats}: ours {ours_cpu[-1]:.1f} s, "
-            f"NeMo {theirs_cpu[-1]:.1f} s CPU"
+            f"{name} {layout}: pair {repeat + 1}/{args.repeats}: ours {ours_cpu[-1]:.1f} s "
+            f"({ours_user[-1]:.1f} user), NeMo {theirs_cpu[-1]:.1f} s ({theirs_user[-1]:.1f} user) CPU"
         )
     real = int(batches[0]["attention_mask"].sum())
     if name in throughput.ANCHOR_DRAFTS:
@@ -261,7 +276,9 @@ def measure_layout(
         work = f"{count:,} blocks"
     else:
         work = f"{sum(int(b['attention_mask'].sum()) for b in batches):,} real tokens"
-    return LayoutResult(ours_cpu, theirs_cpu, loss_ours, loss_theirs, *saved, real, work)
+    return LayoutResult(
+        ours_cpu, theirs_cpu, ours_user, theirs_user, loss_ours, loss_theirs, *saved, real, work
+    )
 
 
 # --- report ----------------------------------------------------------------------------------------------
@@ -275,9 +292,10 @@ def speedup_cell(result: LayoutResult) -> str:
 
 TABLE_HEAD = [
     "| draft | ours packed / NeMo packed | ours padded / NeMo padded | CPU s per epoch, packed: ours / NeMo "
-    "| padded: ours / NeMo | work per epoch (packed; padded) | first-batch loss, max abs difference "
+    "| padded: ours / NeMo | user-mode CPU time only, NeMo / ours (packed; padded) "
+    "| work per epoch (packed; padded) | first-batch loss, max abs difference "
     "| saved activations per real token, NeMo / ours (packed; padded) | first-batch losses, ours / NeMo |",
-    "|---|---:|---:|---:|---:|---|---:|---:|---|",
+    "|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
 ]
 
 
@@ -290,7 +308,7 @@ def row(name: str, by_layout: dict[str, LayoutResult]) -> str:
         f"| {name} | {speedup_cell(packed)} | {speedup_cell(padded)} | "
         f"{statistics.median(packed.ours_cpu):.1f} / {statistics.median(packed.theirs_cpu):.1f} | "
         f"{statistics.median(padded.ours_cpu):.1f} / {statistics.median(padded.theirs_cpu):.1f} | "
-        f"{packed.blocks_or_slots}; {padded.blocks_or_slots} | {difference:.1e} | "
+        f"{packed.user_speedup():.2f}x; {padded.user_speedup():.2f}x | {packed.blocks_or_slots}; {padded.blocks_or_slots} | {difference:.1e} | "
         f"{packed.saved_theirs / packed.saved_ours:.2f}x; {padded.saved_theirs / padded.saved_ours:.2f}x | {losses} |"
     )
 

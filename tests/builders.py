@@ -101,6 +101,16 @@ def stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
+def layers_run(target) -> tuple[list[int], list]:
+    """The indices of the decoder layers each forward runs, in order, and the hooks recording them."""
+    ran: list[int] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, index=index: ran.append(index))
+        for index, layer in enumerate(target.decoder_layers)
+    ]
+    return ran, hooks
+
+
 def random_docs(lengths: list[int], vocab: int = VOCAB, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]

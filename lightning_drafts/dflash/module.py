@@ -255,7 +255,7 @@ class DFlashModule(DraftModule):
         return check_prefix_lengths(prefix_lengths, anchors, self.block_size)[layout.rows, layout.slots]
 
     def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, known: Tensor) -> Tensor:
-        captured = self.target_output(packed, self.target_layer_ids).hidden_states
+        captured = self.target_output(packed, self.target_layer_ids, final=False).hidden_states
         features = layout.gather_context(torch.cat(captured, dim=-1))
         tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id, known)
         backend = self._draft_backend(packed.input_ids.device)

@@ -172,11 +172,14 @@ class DraftModule(L.LightningModule):
             "cannot be captured for or trained from a features directory"
         )
 
-    def target_output(self, packed: PackedBatch, layer_ids: Sequence[int]) -> TargetOutput:
+    def target_output(
+        self, packed: PackedBatch, layer_ids: Sequence[int], final: bool = True
+    ) -> TargetOutput:
         """The target's outputs of ``layer_ids`` and its final-norm states for ``packed``: from the
-        batch's captured features when it has them (no target forward), else one live forward."""
+        batch's captured features when it has them (no target forward), else one live forward
+        (``final=False``: a draft that reads no final state, whose forward stops at its deepest layer)."""
         if packed.target_features is None:
-            return self.target(packed, layer_ids)
+            return self.target(packed, layer_ids, final=final)
         return TargetOutput.from_features(packed.target_features, layer_ids, self.target.compute_dtype)
 
     @torch.no_grad()

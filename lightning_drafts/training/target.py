@@ -61,7 +61,7 @@ class TargetOutput:
                 raise ValueError(
                     f"the target features hold the final hidden state at fewer positions than this draft reads "
                     f"({int(missing.sum())} missing); capture again with this draft's config (its "
-                    "final_positions)"
+                    "final_positions), or run the target with final=True"
                 )
         return states
 
@@ -287,8 +287,14 @@ class FrozenTarget(nn.Module):
         self.decoder_released = True
 
     @torch.no_grad()
-    def forward(self, packed: PackedBatch, layer_ids: Sequence[int] = ()) -> TargetOutput:
-        """Run the whole micro-batch once; capture the outputs of ``layer_ids`` and the final hidden state."""
+    def forward(self, packed: PackedBatch, layer_ids: Sequence[int] = (), final: bool = True) -> TargetOutput:
+        """Run the whole micro-batch once; capture the outputs of ``layer_ids`` and the final hidden state.
+
+        ``final=False``: the caller reads the captured layers only, so the decoder runs through the deepest
+        of them and no further (DFlash's default layers end at ``L - 3``: the last two layers and the final
+        norm cost nothing); the output then holds no final state (``last_hidden_state`` of width 0, and
+        :meth:`TargetOutput.final_states` refuses every position).
+        """
         if getattr(self, "decoder_released", False):
             raise ValueError(
                 "this batch carries no target features, but the target's decoder was released "
@@ -301,8 +307,9 @@ class FrozenTarget(nn.Module):
         hooks = [
             self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)
         ]
+        through = None if final else max((int(i) for i in layer_ids), default=-1)
         try:
-            with _evaluating(self.model):
+            with _evaluating(self.model), self._decoder_through(through):
                 if backend == "flash":
                     last_hidden = self._forward_varlen(packed, captured)
                 elif self._tiled(backend, packed.input_ids.device):
@@ -316,6 +323,12 @@ class FrozenTarget(nn.Module):
         finally:
             for hook in hooks:
                 hook.remove()
+        if not final:
+            return TargetOutput(
+                hidden_states=tuple(captured[i] for i in layer_ids),
+                last_hidden_state=last_hidden.new_zeros(*packed.shape, 0),
+                last_hidden_mask=torch.zeros(packed.shape, dtype=torch.bool, device=last_hidden.device),
+            )
         return TargetOutput(
             hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden
         )
@@ -325,7 +338,7 @@ class FrozenTarget(nn.Module):
         """The feature keys of :mod:`lightning_drafts.core.target_features` that ``request`` names for
         ``packed``'s rows, from one forward: zero on padding and where the final state is not needed (what
         a features directory stores and a target worker sends, laid out as the batch)."""
-        output = self(packed, request.layer_ids)
+        output = self(packed, request.layer_ids, final=request.final_positions != "none")
         real = packed.attention_mask[..., None]
         batch_size, width = packed.shape
         if output.hidden_states:
@@ -362,6 +375,21 @@ class FrozenTarget(nn.Module):
         flat = last_hidden_state.reshape(-1, last_hidden_state.shape[-1])
         pieces = [self.logits(part).argmax(dim=-1) for part in flat.split(chunk_tokens)]
         return torch.cat(pieces).reshape(last_hidden_state.shape[:-1])
+
+    @contextmanager
+    def _decoder_through(self, last: int | None) -> Iterator[None]:
+        """The decoder's layers cut after layer ``last`` for one forward (None: all of them), so that no layer
+        after it runs: transformers' decoders run the layers their ``layers`` list holds."""
+        decoder = self.model.get_decoder()
+        layers = decoder.layers
+        if last is None or last + 1 >= len(layers):
+            yield
+            return
+        decoder.layers = layers[: last + 1]
+        try:
+            yield
+        finally:
+            decoder.layers = layers
 
     def _decoder(self, **inputs: Any) -> Tensor:
         return self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state

@@ -212,6 +212,15 @@ def step_save_resume(out: Path, draft: str, strategy: str) -> None:
     second.save_checkpoint(out / f"{draft}-resumed.ckpt")
 
 
+def end_process_group() -> None:
+    """Destroy the run's process group before the interpreter exits: Lightning leaves a gloo one (it
+    destroys NCCL's only) to the interpreter's teardown, whose threads can then abort the finished
+    process ("terminate called without an active exception", exit status -6)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     for name in DRAFTS:
         step_save_resume(Path(sys.argv[1]), name, sys.argv[2])
+    end_process_group()

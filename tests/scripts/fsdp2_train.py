@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
+from tests.scripts.distributed_grads import end_process_group
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -71,3 +72,4 @@ def main(out: Path, phase: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    end_process_group()

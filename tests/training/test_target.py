@@ -7,7 +7,7 @@ import torch
 
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.training.target import FrozenTarget, default_capture_layers
-from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
+from tests.builders import TINY_TARGETS, layers_run, packed_row, padded_rows, random_docs, stack_rows
 
 CPU_BACKENDS = ("sdpa", "eager", "flex")
 LAYERS = (1, 3, 6)
@@ -211,3 +211,27 @@ def test_a_rows_features_do_not_depend_on_the_rows_batched_with_it(target_config
     for alone, batched in zip(alone_hidden, batched_hidden, strict=True):
         torch.testing.assert_close(batched[1], alone[0], **tol)
     torch.testing.assert_close(batched_logits[1], alone_logits[0], **tol)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_forward_without_the_final_state_stops_at_the_deepest_captured_layer(target_config, backend):
+    target = FrozenTarget(target_config, attn_backend=backend)
+    packed = validate_batch(packed_row(random_docs([9, 14], seed=8), 28), vocab_size=target.vocab_size)
+    ran, hooks = layers_run(target)
+    whole = target(packed, (1, 3))
+    assert ran == list(range(target.num_layers))
+    ran.clear()
+    partial = target(packed, (3, 1), final=False)
+    assert ran == [0, 1, 2, 3]
+    # The same layers computed the same way: the captured outputs are the whole forward's, bit for bit.
+    for layer, state in zip((3, 1), partial.hidden_states, strict=True):
+        assert torch.equal(state, whole.hidden_states[(1, 3).index(layer)])
+    assert partial.last_hidden_state.shape == (*packed.shape, 0)
+    with pytest.raises(ValueError, match="fewer positions than this draft reads"):
+        partial.final_states((slice(None), slice(None)))
+    # The decoder is whole again for every later caller.
+    ran.clear()
+    target(packed, (1,))
+    assert ran == list(range(target.num_layers))
+    for hook in hooks:
+        hook.remove()

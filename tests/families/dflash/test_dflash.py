@@ -29,7 +29,7 @@ from tests.block_draft_cases import (
     twins,
     with_prompts,
 )
-from tests.builders import TINY_TARGETS, packed_row, stack_rows
+from tests.builders import TINY_TARGETS, layers_run, packed_row, stack_rows
 
 
 def make(**kwargs) -> DFlashModule:
@@ -317,3 +317,19 @@ def test_trains_a_few_steps_in_a_lightning_trainer():
     assert {"train/loss", "train/accept_len", "train/blocks", "train/acc_pos0"} <= set(metrics)
     assert torch.isfinite(metrics["train/loss"])
     assert any(not torch.equal(before[k], v) for k, v in module.draft.state_dict().items())
+
+
+def test_the_target_runs_no_layer_after_the_deepest_fused_one():
+    # DFlash reads no final state: the layers after its deepest target layer (two of every default spread)
+    # would be computed for nothing, in a step and in a capture for it alike.
+    module = make(target_layer_ids=[1, 4])
+    packed_batch, _ = twins(ROWS, width=20)
+    ran, hooks = layers_run(module.target)
+    module.compute_loss(packed_batch).loss.backward()
+    assert ran == [0, 1, 2, 3, 4]
+    ran.clear()
+    features = module.features_for(packed_batch)
+    assert ran == [0, 1, 2, 3, 4]
+    assert "target_last_hidden_state" not in features
+    for hook in hooks:
+        hook.remove()
