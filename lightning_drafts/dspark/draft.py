@@ -116,10 +116,14 @@ class DSparkDraft(BlockDraft):
             confidence = self.confidence_head(hidden, embedded if self.confidence_with_markov else None)
         return latents, confidence
 
-    def vocabulary_logits(self, hidden: Tensor, latents: Tensor | None) -> Tensor:
+    def vocabulary_logits(
+        self, hidden: Tensor, latents: Tensor | None, previous: Tensor | None = None
+    ) -> Tensor:
         """Markov-corrected logits ``[..., V]`` (model dtype) of slot states ``hidden [..., H]`` and their
-        Markov latents ``[..., r]`` (:meth:`slot_heads`): each position on its own."""
+        Markov latents ``[..., r]`` (:meth:`slot_heads`), each position on its own; ``previous`` (the tokens
+        the latents come from) lets a vanilla head project each distinct token's bias once
+        (:meth:`MarkovHead.add_bias`)."""
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         if latents is None:
             return logits
-        return self.markov_head.add_bias(logits, latents)
+        return self.markov_head.add_bias(logits, latents, previous)

@@ -282,7 +282,9 @@ class DSparkModule(DraftModule):
         positions = ChainPositions.of(valid, self.hparams.block_valid_only)
         latents, confidence = self.draft.slot_heads(hidden, previous)
         logits = self.draft.vocabulary_logits(
-            positions.gather(hidden), None if latents is None else positions.gather(latents)
+            positions.gather(hidden),
+            None if latents is None else positions.gather(latents),
+            positions.gather(previous),
         )
         # Each distinct teacher position once: its logits and softmax are the same for every slot reading it.
         keys = positions.gather(teacher_keys)

@@ -21,6 +21,7 @@ from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
 from lightning_drafts.core.chunked_terms import chunk_bounds
 from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.training.module import DraftModule
 from tests.block_draft_cases import BLOCK, holed_case, to_padded
 from tests.builders import TINY_TARGETS
@@ -251,14 +252,19 @@ def weights_of(module: DraftModule) -> dict[str, torch.Tensor]:
     return {**weights, "head": module.target.lm_head.weight}
 
 
-def distinct_teacher_positions(module: DSparkModule, batch: dict, inputs: dict, among: torch.Tensor) -> int:
-    """Distinct (row, anchor + k) teacher positions of the slots ``among`` flags, counted per chunk of
-    ``logits_chunk_blocks`` blocks (the remainder first), each block's row and anchor in layout order."""
+def distinct_per_chunk(
+    module: DSparkModule, batch: dict, inputs: dict, among: torch.Tensor, what: str
+) -> int:
+    """Distinct teacher positions (row, anchor + k) or previous tokens (``what``) of the slots ``among``
+    flags, counted per chunk of ``logits_chunk_blocks`` blocks (the remainder first), in layout order."""
     packed = module.prepare_batch(batch)
     layout = block_layout(packed, inputs["anchors"], module.block_size)
-    width = packed.shape[1]
-    positions = (layout.anchors[:, None] + torch.arange(module.block_size)).clamp(max=width - 1)
-    keys = layout.rows[:, None] * width + positions
+    if what == "previous":
+        keys = block_supervision(packed, layout).previous
+    else:
+        width = packed.shape[1]
+        positions = (layout.anchors[:, None] + torch.arange(module.block_size)).clamp(max=width - 1)
+        keys = layout.rows[:, None] * width + positions
     bounds = chunk_bounds(layout.num_blocks, module.logits_chunk_blocks)
     return sum(
         int(keys[start:stop][among[start:stop]].unique().numel())
@@ -282,13 +288,15 @@ def test_vocabulary_rows_follow_the_supervised_positions_and_queries_the_kept_bl
     for weight, reference in counted["every"].items():
         if weight == "query":
             assert counted["skip"][weight] * blocks == reference * kept
-        elif weight == "teacher head":
-            # Once per distinct teacher position of a chunk: overlapping blocks share them.
+        elif weight in ("teacher head", "markov"):
+            # Once per distinct teacher position of a chunk (overlapping blocks share them), and the Markov
+            # bigram row once per distinct previous token of a chunk, forward and backward.
+            what, passes = ("position", 1) if weight == "teacher head" else ("previous", 2)
             every_slot = torch.ones_like(valid)
             for name, among in (("skip", valid), ("every", every_slot)):
-                distinct = distinct_teacher_positions(skip, batch, inputs, among)
-                assert counted[name][weight] == distinct, name
-            assert 0 < counted["skip"][weight] < supervised
+                distinct = distinct_per_chunk(skip, batch, inputs, among, what)
+                assert counted[name][weight] == passes * distinct, name
+            assert 0 < counted["skip"][weight] < passes * supervised
         else:
             assert counted["skip"][weight] * positions == reference * supervised
             assert counted["skip"][weight] > 0

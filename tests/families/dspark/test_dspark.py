@@ -189,6 +189,46 @@ def test_markov_bias_added_in_one_product_equals_the_formula():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_vanilla_markov_bias_projects_each_previous_token_once_and_equals_the_formula(dtype):
+    """Given the previous tokens, a bigram row is projected once per distinct token and added to every slot
+    that follows it: ``logits + W2 W1[previous]`` written out, and its gradients."""
+    torch.manual_seed(0)
+    head = MarkovHead(vocab_size=11, hidden_size=6, rank=3)
+    logits = torch.randn(7, 11, requires_grad=True)
+    previous = torch.tensor([4, 9, 4, 0, 9, 4, 2])
+    rows = []
+    hook = head.markov_w2.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    fused = head.add_bias(logits.to(dtype) * 1.0, head.embed(previous), previous)
+    hook.remove()
+    assert rows == [4] and fused.dtype == dtype
+    expected = logits.to(dtype) + (head.markov_w1.weight[previous] @ head.markov_w2.weight.T).to(dtype)
+    torch.testing.assert_close(fused, expected)
+    probe = torch.randn(7, 11)
+    weights = (logits, head.markov_w1.weight, head.markov_w2.weight)
+    grads = torch.autograd.grad((fused.float() * probe).sum(), weights)
+    wanted = torch.autograd.grad((expected.float() * probe).sum(), weights)
+    for got, want in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_step_projects_the_markov_bias_once_per_distinct_previous_token():
+    module = make()
+    packed_batch, _ = twins(ROWS, width=20)
+    anchors = fixed_anchors(module, packed_batch)
+    supervision = block_supervision(
+        validate_batch(packed_batch), block_layout(validate_batch(packed_batch), anchors, BLOCK)
+    )
+    distinct = supervision.previous[supervision.valid].unique().numel()
+    rows = []
+    hook = module.draft.markov_head.markov_w2.register_forward_hook(
+        lambda mod, args, out: rows.append(args[0].shape[0])
+    )
+    module.compute_loss(packed_batch, anchors=anchors).loss.backward()
+    hook.remove()
+    assert rows == [distinct] and distinct < int(supervision.valid.sum())
+
+
 def test_confidence_head_shapes_and_gradients():
     head = ConfidenceHead(6 + 3)
     hidden = torch.randn(2, 4, 6, requires_grad=True)
