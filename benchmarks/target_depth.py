@@ -76,11 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     anchors = [
         stopped.sample_anchors(batch, torch.Generator().manual_seed(i)) for i, batch in enumerate(batches)
     ]
-    optimizers, initial = {}, {}
-    for name, module in modules.items():
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        initial[name] = [p.detach().clone() for p in trainable]
-        optimizers[name] = torch.optim.AdamW(trainable, lr=args.learning_rate)
+    initial = {
+        name: [p.detach().clone() for p in module.parameters() if p.requires_grad]
+        for name, module in modules.items()
+    }
     print(
         f"torch {torch.__version__}, CPU, 1 thread; Llama target {args.target_layers} layers, hidden "
         f"{args.hidden_size}; DFlash {args.draft_layers} draft layers, target_layer_ids "
@@ -94,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                 trainable = [p for p in module.parameters() if p.requires_grad]
                 for parameter, value in zip(trainable, initial[name], strict=True):
                     parameter.copy_(value)
-            optimizers[name] = torch.optim.AdamW(trainable, lr=args.learning_rate)
-            seconds, losses[name] = epoch(module, optimizers[name], batches, anchors)
+            optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate)
+            seconds, losses[name] = epoch(module, optimizer, batches, anchors)
             times[name].append(seconds)
     for name in modules:
         timed = times[name][1:]

@@ -19,9 +19,10 @@ clipping at 1.0 and AdamW. Time is process CPU time at one thread (``torch.set_n
 shared machine it is what the step cost, whatever else ran. Epochs alternate ours, NeMo's, ours, ... per
 layout (interleaved pairs), and the figure is NeMo's CPU time over ours (how many times faster ours is),
 median over the pairs with their range. Process CPU time is user-mode and kernel time; the kernel's part is
-mostly the zeroing of fresh pages for large allocations, which costs more on some machines (a newly started
-virtual machine) than on others, so the ratio of user-mode time alone is printed beside it. Before timing, the first micro-batch of each layout is stepped
-once by both from the same weights and the two losses printed: equal losses are what proves equal work.
+mostly the page faults on the fresh pages of large allocations, whose cost differs from machine to machine
+and from run to run, so the ratio of user-mode time alone is printed beside it. Before timing, the first
+micro-batch of each layout is stepped once by both from the same weights and the two losses printed: equal
+losses are what proves equal work.
 Saved activations (autograd's saved tensors, parameters excluded) are compared per real token.
 
 MLA-EAGLE-3 runs on a DeepSeek-V3-shaped target of the same width (MLA attention, one dense layer then
@@ -222,8 +223,8 @@ def sides(
 def epoch_cpu_seconds(
     side: Side, args: argparse.Namespace, batches: list, anchors: list
 ) -> tuple[float, float]:
-    """The epoch's process CPU time and the user-mode part of it (the rest is the kernel's, mostly zeroing
-    the fresh pages of large allocations: how much of it a step costs depends on the machine)."""
+    """The epoch's process CPU time and the user-mode part of it (the rest is the kernel's, mostly page
+    faults on the fresh pages of large allocations: what they cost depends on the machine and the run)."""
     optimizer = side.fresh(args.learning_rate)
     start = os.times()
     for batch, batch_anchors in zip(batches, anchors, strict=True):

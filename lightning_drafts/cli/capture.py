@@ -8,6 +8,7 @@ import os
 
 from lightning_drafts.cli.command_parser import CommandParser
 from lightning_drafts.cli.counts import positive_int
+from lightning_drafts.cli.process_group import end_process_group
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +71,7 @@ def capture_main(args: list[str]) -> None:
         device=device,
     )
     state = "complete" if summary.complete else "incomplete (run the same command again to resume)"
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_group()
     print(
         f"captured {summary.shards_written} shard(s) in {summary.seconds:.1f} s -> {summary.directory}: "
         f"{state}, about {summary.bytes_estimated / 2**20:.1f} MiB of features"

@@ -9,6 +9,7 @@ import importlib
 import sys
 from typing import Any
 
+from lightning_drafts.cli.process_group import end_process_group
 from lightning_drafts.cli.user_errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_user_errors
 
 SUBCOMMANDS = {
@@ -58,19 +59,10 @@ def _dispatch(command: str, rest: list[str], cli_args: list[str] | None) -> None
         module, entry = ARGPARSE_COMMANDS[command]
         getattr(importlib.import_module(module), entry)(rest)
     else:
-        # Lightning destroys an NCCL process group at exit but leaves a gloo one (CPU DDP) to the
-        # interpreter's teardown, where its threads can abort the finished process ("terminate called
-        # without an active exception", exit status -6). At exit, not after the fit: a script may fit again.
-        atexit.unregister(_end_process_group)  # once, however many fits a process runs
-        atexit.register(_end_process_group)
+        # At exit, not after the fit: a script may fit again in the same process group.
+        atexit.unregister(end_process_group)  # once, however many fits a process runs
+        atexit.register(end_process_group)
         run_cli(cli_args)
-
-
-def _end_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run_cli(args: list[str] | None = None) -> Any:

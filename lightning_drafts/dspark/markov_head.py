@@ -81,9 +81,8 @@ class MarkovHead(nn.Module):
         a row of its bigram table, the same for every slot after the same token, so each distinct token's row
         is projected once and added to the slots that read it (the benchmark's packed DSpark step: 2,183
         supervised slots in two chunks, after 542 distinct tokens; the rank-r product over the vocabulary is
-        the head's whole cost). Else,
-        flat ``[n, V]`` logits of the head's dtype take one fused product-and-add, so no ``[n, V]`` bias or
-        copy is made and swept."""
+        the head's whole cost). Otherwise flat ``[n, V]`` logits of the head's dtype take one fused
+        product-and-add, so no ``[n, V]`` bias or copy is made and swept."""
         weight = self.markov_w2.weight
         if previous is not None and self.head_type == "vanilla":
             distinct, inverse = torch.unique(previous.reshape(-1), return_inverse=True)

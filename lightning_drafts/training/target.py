@@ -66,6 +66,18 @@ class TargetOutput:
         return states
 
     @classmethod
+    def without_final(
+        cls, hidden_states: tuple[Tensor, ...], shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> TargetOutput:
+        """Outputs of ``[B, T]`` rows (``shape``) that hold no final state: ``last_hidden_state`` of width 0
+        and a mask that makes :meth:`final_states` refuse every position."""
+        return cls(
+            hidden_states=hidden_states,
+            last_hidden_state=torch.zeros(*shape, 0, dtype=dtype, device=device),
+            last_hidden_mask=torch.zeros(*shape, dtype=torch.bool, device=device),
+        )
+
+    @classmethod
     def from_features(
         cls, features: TargetFeatures, layer_ids: Sequence[int], dtype: torch.dtype
     ) -> TargetOutput:
@@ -82,9 +94,7 @@ class TargetOutput:
         chunks = dict(zip(features.layer_ids, captured.split(width, dim=-1), strict=True)) if width else {}
         hidden = tuple(chunks[i].to(dtype) for i in layer_ids)
         if features.last_hidden_state is None:
-            mask = torch.zeros(captured.shape[:2], dtype=torch.bool, device=captured.device)
-            last = captured.new_zeros(*captured.shape[:2], 0, dtype=dtype)
-            return cls(hidden_states=hidden, last_hidden_state=last, last_hidden_mask=mask)
+            return cls.without_final(hidden, captured.shape[:2], dtype, captured.device)
         return cls(
             hidden_states=hidden,
             last_hidden_state=features.last_hidden_state.to(dtype),
@@ -323,15 +333,12 @@ class FrozenTarget(nn.Module):
         finally:
             for hook in hooks:
                 hook.remove()
+        hidden_states = tuple(captured[i] for i in layer_ids)
         if not final:
-            return TargetOutput(
-                hidden_states=tuple(captured[i] for i in layer_ids),
-                last_hidden_state=last_hidden.new_zeros(*packed.shape, 0),
-                last_hidden_mask=torch.zeros(packed.shape, dtype=torch.bool, device=last_hidden.device),
+            return TargetOutput.without_final(
+                hidden_states, packed.shape, last_hidden.dtype, last_hidden.device
             )
-        return TargetOutput(
-            hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden
-        )
+        return TargetOutput(hidden_states=hidden_states, last_hidden_state=last_hidden)
 
     @torch.no_grad()
     def features(self, packed: PackedBatch, request: FeatureRequest) -> dict[str, Tensor]:

@@ -8,6 +8,7 @@ import sys
 import lightning as L
 import torch
 
+from lightning_drafts.cli.process_group import end_process_group
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
 
@@ -37,7 +38,4 @@ if __name__ == "__main__":
     if result:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
-    # Under load a rank once aborted at exit ("terminate called without an active exception", rc -6):
-    # gloo's threads outlived the process group. Tear it down before the interpreter exits.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()

@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from lightning_drafts import Eagle3Module
+from lightning_drafts.cli.process_group import end_process_group
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.eagle3.module import MLAEagle3Module
@@ -210,14 +211,6 @@ def step_save_resume(out: Path, draft: str, strategy: str) -> None:
     second = trainer(strategy, 2, [SaveWeightsAtStart(out / f"{draft}-resumed-start.pt")])
     second.fit(build(draft, strategy), loader(), ckpt_path=out / f"{draft}.ckpt")
     second.save_checkpoint(out / f"{draft}-resumed.ckpt")
-
-
-def end_process_group() -> None:
-    """Destroy the run's process group before the interpreter exits: Lightning leaves a gloo one (it
-    destroys NCCL's only) to the interpreter's teardown, whose threads can then abort the finished
-    process ("terminate called without an active exception", exit status -6)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

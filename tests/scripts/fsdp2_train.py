@@ -14,9 +14,9 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from lightning_drafts.cli.process_group import end_process_group
 from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.probe_draft import NextTokenProbe
-from tests.scripts.distributed_grads import end_process_group
 
 
 def loader() -> torch.utils.data.DataLoader:
