@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_drafts.core.checks import check_int
+from lightning_drafts.core.row_blocks import add_gathered_rows
 from lightning_drafts.dspark.rules import MARKOV_HEAD_TYPE
 
 
@@ -79,7 +80,8 @@ class MarkovHead(nn.Module):
 
         ``previous``: the tokens ``latents`` were embedded from (:meth:`embed`). A vanilla head's bias is then
         a row of its bigram table, the same for every slot after the same token, so each distinct token's row
-        is projected once and added to the slots that read it (the benchmark's packed DSpark step: 2,183
+        is projected once and added to the slots that read it, a block of rows at a time
+        (:func:`~lightning_drafts.core.row_blocks.add_gathered_rows`; the benchmark's packed DSpark step: 2,183
         supervised slots in two chunks, after 542 distinct tokens; the rank-r product over the vocabulary is
         the head's whole cost). Otherwise flat ``[n, V]`` logits of the head's dtype take one fused
         product-and-add, so no ``[n, V]`` bias or copy is made and swept."""
@@ -87,8 +89,12 @@ class MarkovHead(nn.Module):
         if previous is not None and self.head_type == "vanilla":
             distinct, inverse = torch.unique(previous.reshape(-1), return_inverse=True)
             rows = self.bias(self.embed(distinct).to(weight.dtype))
-            # Gathered in the head's dtype: the slots' gradients then sum into a row in it, not in bf16 logits'.
-            return logits.add_(rows.index_select(0, inverse).view_as(logits).to(logits.dtype))
+            # The slots' gradients sum into a row in the head's dtype, not in bf16 logits'.
+            if (
+                logits.dim() == 2
+            ):  # not through a view: in-place writes into a view make autograd copy the base
+                return add_gathered_rows(logits, rows, inverse)
+            return add_gathered_rows(logits.reshape(-1, logits.shape[-1]), rows, inverse).view_as(logits)
         if logits.dim() == 2 and logits.dtype == latents.dtype == weight.dtype:
             return logits.addmm_(latents, weight.t())
         return logits + self.bias(latents).to(logits.dtype)

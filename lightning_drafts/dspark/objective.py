@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 # Reused, not copied: DSpark's position decay and epsilon are DFlash's (exp(-k / gamma), 1e-6).
 from lightning_drafts.blockdraft.objective import LOSS_EPS, decay_weights
 from lightning_drafts.core.gold_nll import softmax_lse_argmax
+from lightning_drafts.core.row_blocks import row_blocks
 
 __all__ = [
     "LOSS_EPS",
@@ -85,8 +86,11 @@ class _DistributionTerms(torch.autograd.Function):
     ``d ce / d z = p - onehot(y)``, ``d l1 / d z = p * (s - <p, s>)``.
 
     ``lse`` comes from the softmax itself (:func:`~lightning_drafts.core.gold_nll.softmax_lse_argmax`).
-    The backward reuses the saved
-    ``[n, V]`` buffers in place, so it runs once (as after any backward that frees its graph).
+    Everything that reads the teacher runs a block of rows at a time
+    (:func:`~lightning_drafts.core.row_blocks.row_blocks`): a slot's teacher row is gathered into a block,
+    never into an ``[n, V]`` copy, and its sign is taken again in backward instead of saved. Saved are the
+    softmax ``p`` and the ``[u, V]`` teacher; the backward writes the gradient into ``p``, so it runs once
+    (as after any backward that frees its graph).
     """
 
     @staticmethod
@@ -97,11 +101,14 @@ class _DistributionTerms(torch.autograd.Function):
         probs, lse, predicted = softmax_lse_argmax(logits)
         ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
         teacher = torch.softmax(teacher_logits.float(), dim=-1)
-        if teacher_index is not None:
-            teacher = teacher.index_select(0, teacher_index)
-        difference = teacher.neg_().add_(probs)
-        l1 = torch.linalg.vector_norm(difference, ord=1, dim=-1)
-        ctx.save_for_backward(probs, difference.sign_(), labels)
+        if teacher_index is None:
+            teacher_index = torch.arange(len(teacher), device=teacher.device)
+        l1 = probs.new_empty(len(probs))
+        for block in row_blocks(len(probs)):
+            # |q - p| is |p - q| to the bit: a float difference negates exactly.
+            difference = teacher.index_select(0, teacher_index[block]).sub_(probs[block])
+            torch.linalg.vector_norm(difference, ord=1, dim=-1, out=l1[block])
+        ctx.save_for_backward(probs, teacher, teacher_index, labels)
         ctx.dtype, ctx.used = draft_logits.dtype, False
         ctx.mark_non_differentiable(predicted)
         return ce, l1, predicted
@@ -115,14 +122,16 @@ class _DistributionTerms(torch.autograd.Function):
                 "reused; run one backward per forward (recompute the loss to differentiate it again)"
             )
         ctx.used = True
-        probs, sign, labels = ctx.saved_tensors
-        grad_ce, grad_l1 = grad_ce.float()[:, None], grad_l1.float()[:, None]
-        # p * s is exact (s is -1, 0 or 1); grad = g_l1 p s + p (g_ce - g_l1 <p, s>), written into s.
-        signed = sign.mul_(probs)
-        mean_sign = signed.sum(-1, keepdim=True)
-        grad = signed.mul_(grad_l1).addcmul_(probs, grad_ce - grad_l1 * mean_sign)
-        grad.scatter_add_(-1, labels[:, None], -grad_ce)
-        return grad.to(ctx.dtype), None, None, None
+        probs, teacher, teacher_index, labels = ctx.saved_tensors
+        grad_ce, grad_l1 = grad_ce.float(), grad_l1.float()
+        for block in row_blocks(len(probs)):
+            p = probs[block]
+            # -p s, exact (s is -1, 0 or 1): grad = g_l1 p s + p (g_ce - g_l1 <p, s>), written into p.
+            negative = teacher.index_select(0, teacher_index[block]).sub_(p).sign_().mul_(p)
+            scale = torch.addcmul(grad_ce[block], grad_l1[block], negative.sum(-1))
+            torch.addcmul(negative.mul_(-grad_l1[block, None]), p, scale[:, None], out=p)
+        probs.scatter_add_(-1, labels[:, None], -grad_ce[:, None])
+        return probs.to(ctx.dtype), None, None, None
 
 
 def acceptance_probability(l1: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from lightning_drafts import DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.core.ratio_metric import ratio
+from lightning_drafts.core.row_blocks import ROWS as ROW_BLOCK
 from lightning_drafts.dspark.confidence_head import ConfidenceHead
 from lightning_drafts.dspark.context_features import (
     context_features,
@@ -36,6 +37,7 @@ from tests.block_draft_cases import (
     with_prompts,
 )
 from tests.builders import TINY_TARGETS, packed_row, stack_rows
+from tests.largest_gather import LargestGather
 
 T, F = True, False
 LAYERS = [1, 4, 6]  # inside [0, L - 2]: servable by SGLang, so no warning
@@ -342,6 +344,19 @@ def test_distribution_terms_with_shared_teacher_rows_equal_one_row_per_slot():
     for one, shared in zip(*results, strict=True):
         torch.testing.assert_close(shared, one, rtol=0, atol=0)
     assert torch.equal(results[0][2], logits.argmax(-1)) and int(results[0][2][2]) == 4
+
+
+def test_shared_teacher_rows_are_gathered_a_block_at_a_time():
+    """Forward and backward read each slot's teacher row in blocks of rows, never as an ``[n, V]`` copy."""
+    gen = torch.Generator().manual_seed(6)
+    n, vocab = 3 * ROW_BLOCK + 2, 30
+    z = torch.randn(n, vocab, generator=gen, requires_grad=True)
+    teacher, index = torch.randn(5, vocab, generator=gen), torch.randint(0, 5, (n,), generator=gen)
+    gather = LargestGather()
+    with gather:
+        ce, l1, _ = distribution_terms(z * 1, teacher, torch.randint(0, vocab, (n,), generator=gen), index)
+        (ce.sum() + l1.sum()).backward()
+    assert gather.largest == ROW_BLOCK * vocab and z.grad.abs().sum() > 0
 
 
 def test_acceptance_sums_by_hand():

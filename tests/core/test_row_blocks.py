@@ -1,0 +1,37 @@
+"""Gathered rows added a block at a time: the formula, its gradients, and no ``[n, V]`` copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_drafts.core.row_blocks import ROWS, add_gathered_rows, row_blocks
+from tests.largest_gather import LargestGather
+
+
+def test_row_blocks_cover_every_row_once_in_order():
+    assert [(s.start, s.stop) for s in row_blocks(37, 16)] == [(0, 16), (16, 32), (32, 37)]
+    assert list(row_blocks(0, 16)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_added_rows_equal_the_formula_and_its_gradients(dtype):
+    """``values + rows[index]`` written out (rows cast to the values' dtype), over more rows than a block,
+    with the rows' gradient summed per row in their own dtype."""
+    gen = torch.Generator().manual_seed(0)
+    n, vocab = 2 * ROWS + 5, 30
+    values = torch.randn(n, vocab, generator=gen).to(dtype).requires_grad_(True)
+    rows = torch.randn(4, vocab, generator=gen, requires_grad=True)
+    index = torch.randint(0, 4, (n,), generator=gen)
+    probe = torch.randn(n, vocab, generator=gen)
+    gather = LargestGather()
+    with gather:
+        added = add_gathered_rows(values * 1, rows, index)
+        grads = torch.autograd.grad((added.float() * probe).sum(), (values, rows))
+    expected = values * 1 + rows[index].to(dtype)
+    wanted = torch.autograd.grad((expected.float() * probe).sum(), (values, rows))
+    assert added.dtype == dtype and grads[1].dtype == torch.float32
+    torch.testing.assert_close(added, expected, rtol=0, atol=0)
+    for got, want in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got, want)
+    assert gather.largest == ROWS * vocab  # a block at a time, never the [n, V] copy
