@@ -20,7 +20,8 @@ shared machine it is what the step cost, whatever else ran. Epochs alternate our
 layout (interleaved pairs), and the figure is NeMo's CPU time over ours (how many times faster ours is),
 median over the pairs with their range. Process CPU time is user-mode and kernel time; the kernel's part is
 mostly the page faults on the fresh pages of large allocations, whose cost differs from machine to machine
-and from run to run, so the ratio of user-mode time alone is printed beside it. Before timing, the first
+and from run to run, so the ratio of user-mode time alone is printed beside it, and each side's minor page
+faults per epoch (how many is the code's doing; what each costs is the machine's). Before timing, the first
 micro-batch of each layout is stepped once by both from the same weights and the two losses printed: equal
 losses are what proves equal work.
 Saved activations (autograd's saved tensors, parameters excluded) are compared per real token.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shlex
 import statistics
 import sys
@@ -107,6 +109,8 @@ class LayoutResult:
     theirs_cpu: list[float]
     ours_user: list[float]
     theirs_user: list[float]
+    ours_faults: list[int]
+    theirs_faults: list[int]
     loss_ours: float
     loss_theirs: float
     saved_ours: int
@@ -222,16 +226,17 @@ def sides(
 
 def epoch_cpu_seconds(
     side: Side, args: argparse.Namespace, batches: list, anchors: list
-) -> tuple[float, float]:
-    """The epoch's process CPU time and the user-mode part of it (the rest is the kernel's, mostly page
-    faults on the fresh pages of large allocations: what they cost depends on the machine and the run)."""
+) -> tuple[float, float, int]:
+    """The epoch's process CPU time, the user-mode part of it and its minor page faults (the rest of the CPU
+    time is the kernel's, mostly those faults, on the fresh pages of large allocations: how many is the
+    code's, what each costs depends on the machine and the run)."""
     optimizer = side.fresh(args.learning_rate)
-    start = os.times()
+    start, faults = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for batch, batch_anchors in zip(batches, anchors, strict=True):
         side.step(optimizer, batch, batch_anchors)
-    stop = os.times()
+    stop, faults = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     user = stop.user - start.user
-    return user + stop.system - start.system, user
+    return user + stop.system - start.system, user, faults
 
 
 def saved_bytes(side: Side, batch: dict[str, Tensor], anchors: Tensor | None, learning_rate: float) -> int:
@@ -261,15 +266,20 @@ def measure_layout(
     loss_theirs = theirs.step(theirs.fresh(args.learning_rate), batches[0], anchors[0])
     log(f"{name} {layout}: first-batch loss ours {loss_ours:.7f}, NeMo {loss_theirs:.7f}")
     saved = [saved_bytes(side, batches[0], anchors[0], args.learning_rate) for side in (ours, theirs)]
-    ours_cpu, theirs_cpu, ours_user, theirs_user = [], [], [], []
+    ours_cpu, theirs_cpu, ours_user, theirs_user, ours_faults, theirs_faults = [], [], [], [], [], []
     for repeat in range(args.repeats):
-        for cpu, user, side in ((ours_cpu, ours_user, ours), (theirs_cpu, theirs_user, theirs)):
-            total, in_user = epoch_cpu_seconds(side, args, batches, anchors)
+        for cpu, user, faults, side in (
+            (ours_cpu, ours_user, ours_faults, ours),
+            (theirs_cpu, theirs_user, theirs_faults, theirs),
+        ):
+            total, in_user, minor = epoch_cpu_seconds(side, args, batches, anchors)
             cpu.append(total)
             user.append(in_user)
+            faults.append(minor)
         log(
             f"{name} {layout}: pair {repeat + 1}/{args.repeats}: ours {ours_cpu[-1]:.1f} s "
-            f"({ours_user[-1]:.1f} user), NeMo {theirs_cpu[-1]:.1f} s ({theirs_user[-1]:.1f} user) CPU"
+            f"({ours_user[-1]:.1f} user, {ours_faults[-1]:,} minor faults), NeMo {theirs_cpu[-1]:.1f} s "
+            f"({theirs_user[-1]:.1f} user, {theirs_faults[-1]:,} minor faults) CPU"
         )
     real = int(batches[0]["attention_mask"].sum())
     if name in throughput.ANCHOR_DRAFTS:
@@ -278,7 +288,17 @@ def measure_layout(
     else:
         work = f"{sum(int(b['attention_mask'].sum()) for b in batches):,} real tokens"
     return LayoutResult(
-        ours_cpu, theirs_cpu, ours_user, theirs_user, loss_ours, loss_theirs, *saved, real, work
+        ours_cpu,
+        theirs_cpu,
+        ours_user,
+        theirs_user,
+        ours_faults,
+        theirs_faults,
+        loss_ours,
+        loss_theirs,
+        *saved,
+        real,
+        work,
     )
 
 
@@ -294,10 +314,17 @@ def speedup_cell(result: LayoutResult) -> str:
 TABLE_HEAD = [
     "| draft | ours packed / NeMo packed | ours padded / NeMo padded | CPU s per epoch, packed: ours / NeMo "
     "| padded: ours / NeMo | user-mode CPU time only, NeMo / ours (packed; padded) "
+    "| minor page faults per epoch, thousands, packed: ours / NeMo; padded: ours / NeMo "
     "| work per epoch (packed; padded) | first-batch loss, max abs difference "
     "| saved activations per real token, NeMo / ours (packed; padded) | first-batch losses, ours / NeMo |",
-    "|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
+    "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
 ]
+
+
+def faults(result: LayoutResult) -> str:
+    """Median minor page faults per epoch, ours / NeMo's, in thousands."""
+    ours, theirs = statistics.median(result.ours_faults), statistics.median(result.theirs_faults)
+    return f"{ours / 1e3:,.0f} / {theirs / 1e3:,.0f}"
 
 
 def row(name: str, by_layout: dict[str, LayoutResult]) -> str:
@@ -309,7 +336,7 @@ def row(name: str, by_layout: dict[str, LayoutResult]) -> str:
         f"| {name} | {speedup_cell(packed)} | {speedup_cell(padded)} | "
         f"{statistics.median(packed.ours_cpu):.1f} / {statistics.median(packed.theirs_cpu):.1f} | "
         f"{statistics.median(padded.ours_cpu):.1f} / {statistics.median(padded.theirs_cpu):.1f} | "
-        f"{packed.user_speedup():.2f}x; {padded.user_speedup():.2f}x | {packed.blocks_or_slots}; {padded.blocks_or_slots} | {difference:.1e} | "
+        f"{packed.user_speedup():.2f}x; {padded.user_speedup():.2f}x | {faults(packed)}; {faults(padded)} | {packed.blocks_or_slots}; {padded.blocks_or_slots} | {difference:.1e} | "
         f"{packed.saved_theirs / packed.saved_ours:.2f}x; {padded.saved_theirs / padded.saved_ours:.2f}x | {losses} |"
     )
 
