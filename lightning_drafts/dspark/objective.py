@@ -104,7 +104,7 @@ class _DistributionTerms(torch.autograd.Function):
         if teacher_index is None:
             teacher_index = torch.arange(len(teacher), device=teacher.device)
         l1 = probs.new_empty(len(probs))
-        for block in row_blocks(len(probs)):
+        for block in row_blocks(probs):
             # |q - p| is |p - q| to the bit: a float difference negates exactly.
             difference = teacher.index_select(0, teacher_index[block]).sub_(probs[block])
             torch.linalg.vector_norm(difference, ord=1, dim=-1, out=l1[block])
@@ -124,7 +124,7 @@ class _DistributionTerms(torch.autograd.Function):
         ctx.used = True
         probs, teacher, teacher_index, labels = ctx.saved_tensors
         grad_ce, grad_l1 = grad_ce.float(), grad_l1.float()
-        for block in row_blocks(len(probs)):
+        for block in row_blocks(probs):
             p = probs[block]
             # -p s, exact (s is -1, 0 or 1): grad = g_l1 p s + p (g_ce - g_l1 <p, s>), written into p.
             negative = teacher.index_select(0, teacher_index[block]).sub_(p).sign_().mul_(p)

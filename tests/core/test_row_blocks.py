@@ -10,8 +10,12 @@ from tests.largest_gather import LargestGather
 
 
 def test_row_blocks_cover_every_row_once_in_order():
-    assert [(s.start, s.stop) for s in row_blocks(37, 16)] == [(0, 16), (16, 32), (32, 37)]
-    assert list(row_blocks(0, 16)) == []
+    bounds = [(s.start, s.stop) for s in row_blocks(torch.empty(37, 3))]
+    assert bounds == [(0, 16), (16, 32), (32, 37)]
+    assert list(row_blocks(torch.empty(0, 3))) == []
+    # Off the CPU (here the meta device, as CUDA would be) a block is ACCELERATOR_ROWS rows.
+    bounds = [(s.start, s.stop) for s in row_blocks(torch.empty(2100, 3, device="meta"))]
+    assert bounds == [(0, 1024), (1024, 2048), (2048, 2100)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
