@@ -32,18 +32,22 @@ def row_blocks(values: Tensor) -> Iterator[slice]:
 
 
 def add_gathered_rows(values: Tensor, rows: Tensor, index: Tensor) -> Tensor:
-    """``values[i] += rows[index[i]]`` for flat ``values [n, V]``, written into ``values`` (pass a tensor
-    nothing else reads, a projection's fresh output) and returned; ``rows [u, V]`` are cast to ``values``'
-    dtype per block. Differentiable in both: ``rows``' gradient is the sum of its slots' gradients, summed
-    in ``rows``' dtype."""
+    """``values[i] += rows[index[i]]`` over the positions ``i`` of contiguous ``values [..., V]`` (``index``
+    holds one row id per position, in any shape), written into ``values`` (pass a tensor nothing else reads,
+    a projection's fresh output) and returned; ``rows [u, V]`` are cast to ``values``' dtype per block.
+    Differentiable in both: ``rows``' gradient is the sum of its positions' gradients, summed in ``rows``'
+    dtype."""
     return _AddGatheredRows.apply(values, rows, index)
 
 
 class _AddGatheredRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values: Tensor, rows: Tensor, index: Tensor) -> Tensor:
-        for block in row_blocks(values):
-            values[block] += rows.index_select(0, index[block]).to(values.dtype)
+        # Flattened here, where autograd records nothing: an in-place write through a view the caller
+        # made would have autograd copy the whole base.
+        flat, index = values.view(-1, values.shape[-1]), index.reshape(-1)
+        for block in row_blocks(flat):
+            flat[block] += rows.index_select(0, index[block]).to(values.dtype)
         ctx.mark_dirty(values)
         ctx.save_for_backward(index)
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
@@ -55,7 +59,8 @@ class _AddGatheredRows(torch.autograd.Function):
         (index,) = ctx.saved_tensors
         grad_rows = None
         if ctx.needs_input_grad[1]:
+            flat = grad.reshape(-1, grad.shape[-1])
             grad_rows = grad.new_zeros(ctx.rows_shape, dtype=ctx.rows_dtype)
-            for block in row_blocks(grad):
-                grad_rows.index_add_(0, index[block], grad[block].to(ctx.rows_dtype))
+            for block in row_blocks(flat):
+                grad_rows.index_add_(0, index[block], flat[block].to(ctx.rows_dtype))
         return grad, grad_rows, None

@@ -90,11 +90,7 @@ class MarkovHead(nn.Module):
             distinct, inverse = torch.unique(previous.reshape(-1), return_inverse=True)
             rows = self.bias(self.embed(distinct).to(weight.dtype))
             # The slots' gradients sum into a row in the head's dtype, not in bf16 logits'.
-            if (
-                logits.dim() == 2
-            ):  # not through a view: in-place writes into a view make autograd copy the base
-                return add_gathered_rows(logits, rows, inverse)
-            return add_gathered_rows(logits.reshape(-1, logits.shape[-1]), rows, inverse).view_as(logits)
+            return add_gathered_rows(logits, rows, inverse)
         if logits.dim() == 2 and logits.dtype == latents.dtype == weight.dtype:
             return logits.addmm_(latents, weight.t())
         return logits + self.bias(latents).to(logits.dtype)

@@ -18,16 +18,17 @@ def test_row_blocks_cover_every_row_once_in_order():
     assert bounds == [(0, 1024), (1024, 2048), (2048, 2100)]
 
 
+@pytest.mark.parametrize("leading", [(2 * ROWS + 5,), (3, ROWS - 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_added_rows_equal_the_formula_and_its_gradients(dtype):
-    """``values + rows[index]`` written out (rows cast to the values' dtype), over more rows than a block,
-    with the rows' gradient summed per row in their own dtype."""
+def test_added_rows_equal_the_formula_and_its_gradients(dtype, leading):
+    """``values + rows[index]`` written out (rows cast to the values' dtype), over more positions than a
+    block, flat or not, with the rows' gradient summed per row in their own dtype."""
     gen = torch.Generator().manual_seed(0)
-    n, vocab = 2 * ROWS + 5, 30
-    values = torch.randn(n, vocab, generator=gen).to(dtype).requires_grad_(True)
+    vocab = 30
+    values = torch.randn(*leading, vocab, generator=gen).to(dtype).requires_grad_(True)
     rows = torch.randn(4, vocab, generator=gen, requires_grad=True)
-    index = torch.randint(0, 4, (n,), generator=gen)
-    probe = torch.randn(n, vocab, generator=gen)
+    index = torch.randint(0, 4, leading, generator=gen)
+    probe = torch.randn(*leading, vocab, generator=gen)
     gather = LargestGather()
     with gather:
         added = add_gathered_rows(values * 1, rows, index)
@@ -38,4 +39,5 @@ def test_added_rows_equal_the_formula_and_its_gradients(dtype):
     torch.testing.assert_close(added, expected, rtol=0, atol=0)
     for got, want in zip(grads, wanted, strict=True):
         torch.testing.assert_close(got, want)
-    assert gather.largest == ROWS * vocab  # a block at a time, never the [n, V] copy
+    # A block at a time, never the [n, V] copy; nor a copy of the values, whatever their shape.
+    assert gather.largest == ROWS * vocab and gather.clones == 0

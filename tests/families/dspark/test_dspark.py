@@ -214,6 +214,21 @@ def test_a_vanilla_markov_bias_projects_each_previous_token_once_and_equals_the_
         torch.testing.assert_close(got, want)
 
 
+def test_a_vanilla_markov_bias_over_blocks_of_slots_copies_no_logits():
+    """``[M, K, V]`` logits take the bias in place, forward and backward, with no copy of them."""
+    torch.manual_seed(1)
+    head = MarkovHead(vocab_size=11, hidden_size=6, rank=3)
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    previous = torch.randint(0, 11, (3, 5))
+    gather = LargestGather()
+    with gather:
+        fused = head.add_bias(logits * 1.0, head.embed(previous), previous)
+        fused.sum().backward()
+    expected = logits + head.markov_w1.weight[previous] @ head.markov_w2.weight.T
+    torch.testing.assert_close(fused, expected)
+    assert fused.shape == (3, 5, 11) and gather.clones == 0
+
+
 def test_a_step_projects_the_markov_bias_once_per_distinct_previous_token():
     module = make()
     packed_batch, _ = twins(ROWS, width=20)
