@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_drafts.attention.cpu_flash import cpu_flash_attention
+
 # Queries per tile: small enough that a tile spans about one document of chat-length rows, large
 # enough that the per-tile kernel launch and key gather stay negligible.
 TILE_QUERIES = 256
@@ -204,24 +206,12 @@ def _tile_attention(
 def _cpu_flash(
     query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     bias = tile.bias.to(query.dtype)
-    # The kernel wants one head size for q, k and v (MLA's value heads are narrower): zero columns
-    # change no score and no kept output.
-    query_dim, value_dim = query.shape[-1], value.shape[-1]
-    dim = max(query_dim, value_dim)
-    query, key, value = (_widen(x, dim) for x in (query, key, value))
-    out, lse = flash(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    out, lse = cpu_flash_attention(query, key, value, scale, bias=bias)
     pulled = None
     if with_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        pulled = flash(query.detach(), key.detach(), key, 0.0, False, attn_mask=bias, scale=scale)[0]
-        # The query's widened columns are zero: P K there adds nothing to q . P K.
-        pulled = pulled[..., :query_dim]
-    return out[..., :value_dim], lse.float(), pulled
-
-
-def _widen(x: Tensor, dim: int) -> Tensor:
-    return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
+        pulled = cpu_flash_attention(query.detach(), key.detach(), key, scale, bias=bias)[0]
+    return out, lse, pulled
 
 
 def _dense_math(

@@ -21,14 +21,13 @@ from lightning_drafts.attention.backends import (
     document_causal_mask_mod,
     resolve_backend,
 )
-from lightning_drafts.attention.document_tiles import tile_block_causal_mask
-from lightning_drafts.core.batch import PackedBatch, varlen_layout
+from lightning_drafts.core.batch import PackedBatch, document_spans, varlen_layout
 from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.target_features import FeatureRequest, TargetFeatures, final_position_mask
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.training.decoderless import load_without_decoder
-from lightning_drafts.training.tiled_target_attention import MASK_ARGUMENT, TILED_ATTENTION
+from lightning_drafts.training.document_target_attention import DOCUMENT_ATTENTION, SPANS_ARGUMENT
 
 TargetSpec = str | dict | PreTrainedModel
 
@@ -322,8 +321,8 @@ class FrozenTarget(nn.Module):
             with _evaluating(self.model), self._decoder_through(through):
                 if backend == "flash":
                     last_hidden = self._forward_varlen(packed, captured)
-                elif self._tiled(backend, packed.input_ids.device):
-                    last_hidden = self._forward_tiled(packed)
+                elif self._per_document(backend, packed.input_ids.device):
+                    last_hidden = self._forward_documents(packed)
                 else:
                     last_hidden = self._decoder(
                         input_ids=packed.input_ids,
@@ -434,21 +433,21 @@ class FrozenTarget(nn.Module):
         return backend
 
     @staticmethod
-    def _tiled(backend: str, device: torch.device) -> bool:
-        # On the CPU, ``sdpa`` runs SDPA's own flash kernel per query tile over the keys each tile sees
-        # (:mod:`lightning_drafts.training.tiled_target_attention`): a dense [B, 1, T, T] mask (and the
+    def _per_document(backend: str, device: torch.device) -> bool:
+        # On the CPU, ``sdpa`` runs SDPA's own flash kernel once per document, causal
+        # (:mod:`lightning_drafts.training.document_target_attention`): a dense [B, 1, T, T] mask (and the
         # float copy SDPA makes of it) would grow with the square of the row width.
         return backend == "sdpa" and device.type == "cpu"
 
-    def _forward_tiled(self, packed: PackedBatch) -> Tensor:
-        """The decoder with the tiled attention for this forward only: every other caller of the model
-        (greedy decoding, ``generate`` with its cache and masks) keeps plain SDPA."""
-        self.model.set_attn_implementation(TILED_ATTENTION)
+    def _forward_documents(self, packed: PackedBatch) -> Tensor:
+        """The decoder with the per-document attention for this forward only: every other caller of the
+        model (greedy decoding, ``generate`` with its cache and masks) keeps plain SDPA."""
+        self.model.set_attn_implementation(DOCUMENT_ATTENTION)
         try:
             return self._decoder(
                 input_ids=packed.input_ids,
                 position_ids=packed.position_ids,
-                **{MASK_ARGUMENT: tuple(tile_block_causal_mask(starts[None]) for starts in packed.doc_start)},
+                **{SPANS_ARGUMENT: document_spans(packed)},
             )
         finally:
             self.model.set_attn_implementation(HF_ATTENTION[self.backend])

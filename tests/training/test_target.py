@@ -165,8 +165,8 @@ def test_the_state_dict_leaves_out_the_whole_target_and_loading_neither_asks_for
         assert torch.equal(value, built[name]), name
 
 
-def test_sdpa_on_the_cpu_attends_per_tile_and_equals_each_document_alone(target_config):
-    from lightning_drafts.training.tiled_target_attention import TILED_ATTENTION
+def test_sdpa_on_the_cpu_attends_per_document_and_equals_each_document_alone(target_config):
+    from lightning_drafts.training.document_target_attention import DOCUMENT_ATTENTION
 
     target = FrozenTarget(target_config, attn_backend="sdpa")
     docs = random_docs([30, 3, 41, 17], seed=4)
@@ -176,7 +176,7 @@ def test_sdpa_on_the_cpu_attends_per_tile_and_equals_each_document_alone(target_
     )
     hidden, _ = run(target, packed_row(docs, 100))
     hook.remove()
-    assert seen == [TILED_ATTENTION]
+    assert seen == [DOCUMENT_ATTENTION]
     # Every other caller of the model keeps transformers' SDPA, masks and cache included.
     assert target.model.config._attn_implementation == "sdpa"
     start = 0
@@ -189,18 +189,33 @@ def test_sdpa_on_the_cpu_attends_per_tile_and_equals_each_document_alone(target_
         start += len(doc)
 
 
-def test_the_tiled_attention_refuses_a_forward_without_its_mask(target_config):
-    from lightning_drafts.training.tiled_target_attention import TILED_ATTENTION
+def test_a_documents_features_are_the_same_wherever_it_is_packed(target_config):
+    # Its attention reads the document alone: neither the documents beside it nor its offset in the row
+    # change a bit of it (the linear layers see the same row width either way).
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    doc = random_docs([300], seed=9)[0]
+    before, after = random_docs([200], seed=10)[0], random_docs([80, 50], seed=11)
+    first_hidden, first_logits = run(target, packed_row([doc, *after], 512))
+    moved_hidden, moved_logits = run(target, packed_row([before, doc], 512))
+    tol = tolerance(target_config)
+    span = slice(200, 200 + len(doc))
+    for first, moved in zip(first_hidden, moved_hidden, strict=True):
+        torch.testing.assert_close(moved[0, span], first[0, : len(doc)], **tol)
+    torch.testing.assert_close(moved_logits[0, span], first_logits[0, : len(doc)], **tol)
+
+
+def test_the_document_attention_refuses_a_forward_without_its_spans(target_config):
+    from lightning_drafts.training.document_target_attention import DOCUMENT_ATTENTION
 
     target = FrozenTarget(target_config, attn_backend="sdpa")
-    target.model.set_attn_implementation(TILED_ATTENTION)
-    with pytest.raises(ValueError, match="needs one TiledMask per row of the batch"):
+    target.model.set_attn_implementation(DOCUMENT_ATTENTION)
+    with pytest.raises(ValueError, match="needs the \\(row, start, stop\\) span of every document"):
         target.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
 
 
 def test_a_rows_features_do_not_depend_on_the_rows_batched_with_it(target_config):
     # A capture batches rows otherwise than the fit that trains or validates on them, and float32 features
-    # must be the online ones exactly: a query tile's keys may depend on its own row only.
+    # must be the online ones exactly.
     target = FrozenTarget(target_config, attn_backend="sdpa")
     long_doc = random_docs([600], seed=5)
     short_docs = random_docs([200, 100, 300], seed=6)

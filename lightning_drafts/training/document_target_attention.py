@@ -1,0 +1,80 @@
+"""The frozen target's CPU attention: each document alone and causal, plugged in as a transformers
+attention function.
+
+With ``sdpa`` a transformers model takes one dense ``[B, 1, T, T]`` mask for every layer, and PyTorch's
+SDPA turns a boolean mask into a float one of the same size: 5 GiB at a 32k-token row, quadratic in
+the row width, for a mask whose packed documents allow a sliver of it. Registered under
+:data:`DOCUMENT_ATTENTION` in transformers' ``AttentionInterface`` (its own extension point), the model
+instead hands every layer's queries, keys and values to :func:`document_target_attention`, which reads the
+``(row, start, stop)`` span of every document's real tokens from the forward's keyword arguments
+(transformers passes them to the attention function untouched) and runs PyTorch's fused CPU flash kernel,
+the one SDPA picks on the CPU, once per document with its causal flag: the kernel skips the masked half
+itself, no mask is built, and padding costs no attention (its output is zero; no real token reads a
+padding slot). Transformers builds no mask of its own for an implementation its mask interface does not
+know.
+
+A document's attention then depends on that document alone: never on the documents packed beside it or
+the rows batched with it, so a capture and the fit that reads its features (which batch rows otherwise)
+compute it alike, and float32 features are the online ones exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from transformers import AttentionInterface
+
+from lightning_drafts.attention.backends import one_dtype
+from lightning_drafts.attention.cpu_flash import cpu_flash_attention
+
+DOCUMENT_ATTENTION = "lightning_drafts_documents"
+# The keyword argument of the model's forward that carries the spans down to every layer.
+SPANS_ARGUMENT = "document_spans"
+
+
+def document_target_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """One layer's attention ``[B, T, H, d_v]``: each ``document_spans`` entry ``(row, start, stop)`` attends
+    causally to itself alone (the target is frozen and runs in eval mode: no dropout, no attention weights)."""
+    spans = kwargs.get(SPANS_ARGUMENT)
+    if not isinstance(spans, tuple):
+        raise ValueError(
+            f"the {DOCUMENT_ATTENTION!r} attention needs the (row, start, stop) span of every document as the "
+            f"forward's {SPANS_ARGUMENT!r} argument, got {type(spans).__name__}; run the target through "
+            "FrozenTarget"
+        )
+    if dropout:
+        raise ValueError(f"the frozen target's attention runs without dropout, got dropout={dropout}")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        # Query head h reads key head h // groups, as transformers' repeat_kv lays them out.
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # Under bf16-mixed autocast the rotary embedding leaves queries and keys float32 beside bf16 values;
+    # SDPA, an autocast op, computes in bf16 there, and so does this (the fused kernel wants one dtype).
+    query, key, value = one_dtype(query, key, value)
+    batch, heads, width, _ = query.shape
+    out = value.new_zeros(batch, width, heads, value.shape[-1])
+    for row, start, stop in spans:
+        piece = slice(start, stop)
+        attended, _ = cpu_flash_attention(
+            query[row : row + 1, :, piece],
+            key[row : row + 1, :, piece],
+            value[row : row + 1, :, piece],
+            scale,
+            True,
+        )
+        out[row, piece] = attended[0].transpose(0, 1)
+    return out, None
+
+
+AttentionInterface.register(DOCUMENT_ATTENTION, document_target_attention)
