@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lightning_drafts.core.row_top import row_max
+
 
 def nll_and_argmax(logits: Tensor, labels: Tensor, single_backward: bool = False) -> tuple[Tensor, Tensor]:
     """fp32 cross-entropy of each position's ``logits [..., V]`` against ``labels [...]`` (differentiable in
@@ -30,7 +32,7 @@ def softmax_lse_argmax(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``softmax(values)`` of fp32 ``values [n, V]``, its log-sum-exp ``[n]`` and its argmax ``[n]`` (the
     first maximal id, as ``Tensor.argmax``) from one exponential sweep: the softmax's entry at the row
     maximum is ``exp(0) / sum_v exp(z_v - max z)``, so ``lse = max z - log p[argmax]``."""
-    top, predicted = values.max(dim=-1)
+    top, predicted = row_max(values)
     probs = torch.softmax(values, dim=-1)
     lse = top - probs.gather(-1, predicted[:, None]).squeeze(-1).log()
     return probs, lse, predicted

@@ -12,13 +12,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lightning_drafts.core.row_top import row_topk
+
 
 def candidate_logits(
     logits: Tensor, states: Tensor, head_weight: Tensor, top_k: int
 ) -> tuple[Tensor, Tensor]:
     """The top-``top_k`` values ``[n, K]`` of ``logits [n, V]`` and their ids, the values differentiable in
     the states ``[n, H]`` those logits were projected from by the frozen head ``head_weight [V, H]``."""
-    values, candidates = logits.detach().topk(top_k, dim=-1)
+    values, candidates = row_topk(logits.detach(), top_k)
     if not (torch.is_grad_enabled() and states.requires_grad):
         return values, candidates
     return _ThroughRows.apply(values, states, head_weight.detach(), candidates), candidates
