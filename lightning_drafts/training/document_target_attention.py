@@ -71,7 +71,7 @@ def document_target_attention(
             key[row : row + 1, :, piece],
             value[row : row + 1, :, piece],
             scale,
-            True,
+            causal=True,
         )
         out[row, piece] = attended[0].transpose(0, 1)
     return out, None

@@ -127,6 +127,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/attention/test_block_masks.py::test_dense_mask_equals_the_by_hand_reference",),
         "`<=` for `<`: a block sees one context key past its anchor (the future)",
     ),
+    Mutant(
+        "target-document-attention-not-causal",
+        "lightning_drafts/training/document_target_attention.py",
+        "causal=True,",
+        "causal=False,",
+        (
+            "tests/training/test_target.py::"
+            "test_sdpa_on_the_cpu_attends_per_document_and_equals_each_document_alone",
+        ),
+        "the frozen target's CPU attention lets a token see the rest of its document (the future)",
+    ),
+    Mutant(
+        "row-max-tail-wins-ties",
+        "lightning_drafts/core/row_top.py",
+        "later = (tail_top > top) | (tail_top.isnan() & ~top.isnan())",
+        "later = (tail_top >= top) | (tail_top.isnan() & ~top.isnan())",
+        ("tests/core/test_row_top.py::test_row_max_is_max_over_the_last_dim_bit_for_bit",),
+        "a maximum tied between a whole block and the last columns takes the later id: the argmax is not max's",
+    ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(
         "acceptance-prefix-not-chained",
