@@ -1,9 +1,10 @@
 """The largest entries of each row of a vocabulary-wide ``[n, V]`` tensor, found through block maxima.
 
 ``max(dim)`` and ``topk`` carry an index through every comparison and run 3-4x slower on the CPU than a
-plain ``amax``. So each block of :data:`BLOCK` consecutive columns is reduced with ``amax`` first, and the
-index is searched only inside the few blocks that can hold the answer: ``V / BLOCK`` maxima and a block or
-``k`` instead of ``V`` indexed comparisons per row. The results are ``max`` / ``topk``'s own.
+plain ``amax``. So on the CPU each block of :data:`BLOCK` consecutive columns is reduced with ``amax``
+first, and the index is searched only inside the few blocks that can hold the answer: ``V / BLOCK``
+maxima and a block or ``k`` blocks instead of ``V`` indexed comparisons per row. Elsewhere ``max`` and
+``topk`` are one fast kernel each, and the blocks would only add launches: they run as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def row_max(values: Tensor) -> tuple[Tensor, Tensor]:
     """
     rows, vocab = values.shape
     blocks = vocab // BLOCK
-    if blocks < 2:
+    if blocks < 2 or values.device.type != "cpu":
         return values.max(dim=-1)
     whole = values[:, : blocks * BLOCK].unflatten(-1, (blocks, BLOCK))
     block = whole.amax(dim=-1).max(dim=-1).indices
@@ -50,7 +51,7 @@ def row_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """
     rows, vocab = values.shape
     blocks = vocab // BLOCK
-    if blocks <= k:
+    if blocks <= k or values.device.type != "cpu":
         return values.topk(k, dim=-1)
     whole = values[:, : blocks * BLOCK].unflatten(-1, (blocks, BLOCK))
     chosen = whole.amax(dim=-1).topk(k, dim=-1).indices.sort(dim=-1).values

@@ -15,7 +15,8 @@ know.
 
 A document's attention then depends on that document alone: never on the documents packed beside it or
 the rows batched with it, so a capture and the fit that reads its features (which batch rows otherwise)
-compute it alike, and float32 features are the online ones exactly.
+compute it alike, and float32 features are the online ones exactly. The price is one kernel call per
+document and layer: rows of thousands of very short documents spend their attention time in Python.
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def document_target_attention(
         )
     if dropout:
         raise ValueError(f"the frozen target's attention runs without dropout, got dropout={dropout}")
+    changes = {
+        name: kwargs.get(name) for name in ("sliding_window", "softcap") if kwargs.get(name) is not None
+    }
+    if changes:
+        raise ValueError(
+            f"the frozen target's CPU attention is full causal attention within each document, but this "
+            f"layer asks for {changes}; run the target with attn_backend='eager'"
+        )
+    batch, _, width, _ = query.shape
+    if spans and (max(row for row, _, _ in spans) >= batch or max(stop for _, _, stop in spans) > width):
+        raise ValueError(
+            f"document_spans {spans[:4]}{' ...' if len(spans) > 4 else ''} do not fit this layer's batch of "
+            f"{batch} rows of {width} tokens; build them from the same batch with core.batch.document_spans"
+        )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         # Query head h reads key head h // groups, as transformers' repeat_kv lays them out.
@@ -62,8 +77,7 @@ def document_target_attention(
     # Under bf16-mixed autocast the rotary embedding leaves queries and keys float32 beside bf16 values;
     # SDPA, an autocast op, computes in bf16 there, and so does this (the fused kernel wants one dtype).
     query, key, value = one_dtype(query, key, value)
-    batch, heads, width, _ = query.shape
-    out = value.new_zeros(batch, width, heads, value.shape[-1])
+    out = value.new_zeros(batch, width, query.shape[1], value.shape[-1])
     for row, start, stop in spans:
         piece = slice(start, stop)
         attended, _ = cpu_flash_attention(

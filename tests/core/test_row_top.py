@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_drafts.core.row_top import BLOCK, row_max, row_topk
 
@@ -36,7 +37,7 @@ def test_row_max_is_max_over_the_last_dim_bit_for_bit(vocab, dtype):
 
 
 @pytest.mark.parametrize("vocab", [3 * BLOCK, 20 * BLOCK + 5])
-@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("k", [1, 3, 4, 16])  # 3 and 16 of 3 blocks: topk itself
 def test_row_topk_is_topk_over_the_last_dim(vocab, k):
     gen = torch.Generator().manual_seed(vocab + k)
     values = torch.randn(10, vocab, generator=gen)
@@ -60,3 +61,35 @@ def test_row_topk_ids_among_tied_values_name_entries_of_those_values():
     assert torch.equal(values.gather(1, ids), top)
     assert (ids[:, 0] == 6 * BLOCK + 4).all()
     assert all(len(set(row)) == 3 for row in ids.tolist())
+
+
+@pytest.mark.parametrize("vocab", [2 * BLOCK, 7 * BLOCK + 1])
+def test_a_strided_view_gives_max_and_topk_own_results(vocab):
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(vocab, 9, generator=gen).t()  # rows of stride 1 apart, not contiguous
+    top, index = row_max(values)
+    assert torch.equal(index, values.max(dim=-1).indices) and torch.equal(top, values.max(dim=-1).values)
+    top, ids = row_topk(values, 2)
+    assert torch.equal(ids, values.topk(2, dim=-1).indices) and torch.equal(
+        top, values.topk(2, dim=-1).values
+    )
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_blocks_run_on_the_cpu_only():
+    # Off the CPU max and topk are one kernel each, and the blocks would only add launches.
+    for device, blocked in (("cpu", True), ("meta", False)):
+        values = torch.empty(4, 8 * BLOCK, device=device)
+        for reduce in (row_max, lambda v: row_topk(v, 2)):
+            with OpNames() as ops:
+                reduce(values)
+            assert ("amax" in ops.names) == blocked, (device, ops.names)

@@ -86,6 +86,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/families/eagle3/test_eagle3.py::test_doc_remaining_gate_worked_example",),
         "prompt tokens supervised: the loss mask is dropped",
     ),
+    Mutant(
+        "row-max-tail-wins-ties",
+        "lightning_drafts/core/row_top.py",
+        "later = (tail_top > top) | (tail_top.isnan() & ~top.isnan())",
+        "later = (tail_top >= top) | (tail_top.isnan() & ~top.isnan())",
+        ("tests/core/test_row_top.py::test_row_max_is_max_over_the_last_dim_bit_for_bit",),
+        "a maximum tied between a whole block and the last columns takes the later id: the argmax is not max's",
+    ),
     # --- packing, anchors, masks ---------------------------------------------------------------------------
     Mutant(
         "batch-doc-remaining-off-by-one",
@@ -137,14 +145,6 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_sdpa_on_the_cpu_attends_per_document_and_equals_each_document_alone",
         ),
         "the frozen target's CPU attention lets a token see the rest of its document (the future)",
-    ),
-    Mutant(
-        "row-max-tail-wins-ties",
-        "lightning_drafts/core/row_top.py",
-        "later = (tail_top > top) | (tail_top.isnan() & ~top.isnan())",
-        "later = (tail_top >= top) | (tail_top.isnan() & ~top.isnan())",
-        ("tests/core/test_row_top.py::test_row_max_is_max_over_the_last_dim_bit_for_bit",),
-        "a maximum tied between a whole block and the last columns takes the later id: the argmax is not max's",
     ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(
