@@ -6,7 +6,8 @@ Three ways to keep packed documents apart, all derived from the per-token docume
 * ``sdpa`` (and ``eager``): a dense boolean block-causal mask ``[B, 1, T, T]`` (the CPU path); drafts
   cut it into a :class:`~lightning_drafts.attention.tiled.TiledMask` so their attention skips the keys
   no query sees (``eager`` keeps the plain dense math as a reference), and the frozen target's ``sdpa``
-  on the CPU builds no mask at all: it attends within each document's span, causal
+  on the CPU builds no mask at all: it gathers the real tokens into one row and attends within each
+  document's span, causal
   (:mod:`lightning_drafts.training.document_target_attention`);
 * ``flex``: a sparse flex-attention ``BlockMask`` built from a ``mask_mod`` (the GPU path; mask creation
   and the kernel are compiled once, lazily, on CUDA only, through entry points of their own

@@ -172,18 +172,6 @@ def varlen_layout(packed: PackedBatch) -> VarlenLayout:
     return VarlenLayout(token_index=token_index, cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()))
 
 
-def document_spans(packed: PackedBatch) -> tuple[tuple[int, int, int], ...]:
-    """``(row, start, stop)`` of every document's real tokens, row by row; a document with none is left
-    out. Rows are right-padded, so a document's real tokens are one run of its row."""
-    real = packed.attention_mask.sum(dim=1, keepdim=True)
-    ends = packed.seq_lens.cumsum(dim=1)
-    starts = (ends - packed.seq_lens).clamp(max=real)
-    stops = ends.clamp(max=real)
-    kept = stops > starts
-    rows = torch.arange(packed.shape[0], device=kept.device)[:, None].expand_as(kept)
-    return tuple(zip(rows[kept].tolist(), starts[kept].tolist(), stops[kept].tolist(), strict=True))
-
-
 def _require_token_tensor(batch: Mapping[str, Tensor], key: str, shape: tuple[int, ...] | None) -> Tensor:
     value = batch.get(key)
     if not isinstance(value, Tensor):

@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_drafts.attention.backends import attention_with_lse
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.draft_output import DraftOutput
+from lightning_drafts.core.row_top import row_max
 from lightning_drafts.eagle3.step_objective import StepObjective
 
 
@@ -247,14 +248,14 @@ def eagle3_objective(
     # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
     # so every rank runs backward and DDP / FSDP never wait on a skipped step.
     loss = states[-1].hidden.float().sum() * 0.0
-    teacher_argmax = teacher.logits.argmax(-1)
+    teacher_argmax = row_max(teacher.logits)[1]
     # One step at a time, so only one step's [rows, V_d] logits and teacher rows are alive outside autograd.
     for k, (state, weight, step_rows, step_slots) in enumerate(per_step):
         student = compute_logits(state.at(step_rows * width + step_slots))
         teacher_rows = teacher.row[step_rows, step_slots + 1 + k]
         target = teacher.logits[teacher_rows]
         loss = loss + weight * objective.step_loss(student, target)
-        correct[step_rows, step_slots, k] = student.detach().argmax(-1) == teacher_argmax[teacher_rows]
+        correct[step_rows, step_slots, k] = row_max(student.detach())[1] == teacher_argmax[teacher_rows]
     supervised_total = torch.tensor(sum(sizes), device=valid.device)
     chains = valid.any(-1).reshape(-1)
     correct = correct.reshape(-1, steps)[chains]

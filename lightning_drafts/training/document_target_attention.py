@@ -11,7 +11,8 @@ instead hands every layer's queries, keys and values to :func:`document_target_a
 the one SDPA picks on the CPU, once per document with its causal flag: the kernel skips the masked half
 itself, no mask is built, and padding costs no attention (its output is zero; no real token reads a
 padding slot). Transformers builds no mask of its own for an implementation its mask interface does not
-know.
+know. :class:`~lightning_drafts.training.target.FrozenTarget` first gathers the micro-batch's real tokens
+into one row, so its spans are documents of that row and the linear layers skip the padding too.
 
 A document's attention then depends on that document alone: never on the documents packed beside it or
 the rows batched with it, so a capture and the fit that reads its features (which batch rows otherwise)
@@ -67,7 +68,7 @@ def document_target_attention(
     if spans and (max(row for row, _, _ in spans) >= batch or max(stop for _, _, stop in spans) > width):
         raise ValueError(
             f"document_spans {spans[:4]}{' ...' if len(spans) > 4 else ''} do not fit this layer's batch of "
-            f"{batch} rows of {width} tokens; build them from the same batch with core.batch.document_spans"
+            f"{batch} rows of {width} tokens; build them from the same batch (FrozenTarget does)"
         )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:

@@ -21,7 +21,7 @@ from lightning_drafts.attention.backends import (
     document_causal_mask_mod,
     resolve_backend,
 )
-from lightning_drafts.core.batch import PackedBatch, document_spans, varlen_layout
+from lightning_drafts.core.batch import PackedBatch, varlen_layout
 from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.target_features import FeatureRequest, TargetFeatures, final_position_mask
@@ -322,7 +322,7 @@ class FrozenTarget(nn.Module):
                 if backend == "flash":
                     last_hidden = self._forward_varlen(packed, captured)
                 elif self._per_document(backend, packed.input_ids.device):
-                    last_hidden = self._forward_documents(packed)
+                    last_hidden = self._forward_documents(packed, captured)
                 else:
                     last_hidden = self._decoder(
                         input_ids=packed.input_ids,
@@ -439,18 +439,34 @@ class FrozenTarget(nn.Module):
         # float copy SDPA makes of it) would grow with the square of the row width.
         return backend == "sdpa" and device.type == "cpu"
 
-    def _forward_documents(self, packed: PackedBatch) -> Tensor:
-        """The decoder with the per-document attention for this forward only: every other caller of the
-        model (greedy decoding, ``generate`` with its cache and masks) keeps plain SDPA."""
+    def _forward_documents(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
+        """The decoder over the real tokens only, each document attending to itself alone, with the
+        per-document attention for this forward only: every other caller of the model (greedy decoding,
+        ``generate`` with its cache and masks) keeps plain SDPA.
+
+        The real tokens of every row are gathered into one row, so padding runs through no layer (a
+        packed micro-batch's last document rarely fills its row). That row is filled up to a multiple of
+        :data:`COMPACT_ROW_MULTIPLE` tokens that no document holds (their attention output is zero and
+        nothing reads them): a CPU matmul of a handful of rows rounds otherwise than a tall one, and the
+        linear layers then see only tall, round shapes, as they did over whole rows."""
+        layout = varlen_layout(packed)
+        batch, width = packed.shape
+        real = layout.token_index.numel()
+        compact = max(-(-real // COMPACT_ROW_MULTIPLE), 1) * COMPACT_ROW_MULTIPLE
+        input_ids, position_ids = (
+            _gather_row(values, layout.token_index, compact)
+            for values in (packed.input_ids, packed.position_ids)
+        )
+        bounds = layout.cu_seqlens.tolist()
+        spans = tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
         self.model.set_attn_implementation(DOCUMENT_ATTENTION)
         try:
-            return self._decoder(
-                input_ids=packed.input_ids,
-                position_ids=packed.position_ids,
-                **{SPANS_ARGUMENT: document_spans(packed)},
-            )
+            hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, **{SPANS_ARGUMENT: spans})
         finally:
             self.model.set_attn_implementation(HF_ATTENTION[self.backend])
+        for layer_id, state in captured.items():
+            captured[layer_id] = _scatter_rows(state[0, :real], layout.token_index, batch, width)
+        return _scatter_rows(hidden[0, :real], layout.token_index, batch, width)
 
     def _check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
@@ -461,6 +477,8 @@ class FrozenTarget(nn.Module):
             )
 
 
+# The CPU target's gathered row of real tokens is a multiple of this many (see FrozenTarget._forward_documents).
+COMPACT_ROW_MULTIPLE = 64
 ROPE_TABLES = ("inv_freq", "original_inv_freq")
 
 
@@ -517,6 +535,13 @@ def _capture_into(store: dict[int, Tensor], layer_id: int):
         store[layer_id] = output[0] if isinstance(output, tuple) else output
 
     return hook
+
+
+def _gather_row(values: Tensor, token_index: Tensor, width: int) -> Tensor:
+    """``[1, width]``: the ``token_index`` entries of ``values [B, T]`` first, zeros after."""
+    row = values.new_zeros(1, width)
+    row[0, : token_index.numel()] = values.reshape(-1)[token_index]
+    return row
 
 
 def _scatter_rows(flat: Tensor, token_index: Tensor, batch: int, width: int) -> Tensor:

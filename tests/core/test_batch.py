@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_drafts.core.batch import document_spans, validate_batch, varlen_layout
+from lightning_drafts.core.batch import validate_batch, varlen_layout
 from tests.builders import packed_row, random_docs, stack_rows
 
 
@@ -50,14 +50,16 @@ def test_varlen_layout_flattens_real_tokens_per_document():
     assert layout.token_index.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14]
 
 
-def test_document_spans_are_each_documents_real_tokens_row_by_row():
+def test_varlen_layout_leaves_out_documents_without_real_tokens():
     # Row 0: A(3), B(2) with the padding folded into it; row 1: C(7), one pad; row 2: an empty document
     # (a zero-length seq_lens entry), then D(2); row 3: E(2), then a document of padding alone.
     a, b, c, d, e = random_docs([3, 2, 7, 2, 2])
     batch = stack_rows([packed_row([a, b], 8), packed_row([c], 8), packed_row([d], 8), packed_row([e], 8)])
     batch["seq_lens"][2:] = torch.tensor([[0, 8], [2, 6]])
-    spans = document_spans(validate_batch(batch))
-    assert spans == ((0, 0, 3), (0, 3, 5), (1, 0, 7), (2, 0, 2), (3, 0, 2))
+    layout = varlen_layout(validate_batch(batch))
+    assert layout.token_index.tolist() == [0, 1, 2, 3, 4, *range(8, 15), 16, 17, 24, 25]
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 12, 14, 16]
+    assert layout.max_seqlen == 7
 
 
 def test_given_doc_remaining_is_accepted_when_consistent():

@@ -146,6 +146,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "the frozen target's CPU attention lets a token see the rest of its document (the future)",
     ),
+    Mutant(
+        "target-gathered-row-spans-from-its-start",
+        "lightning_drafts/training/target.py",
+        "spans = tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))",
+        "spans = tuple((0, 0, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))",
+        ("tests/training/test_target.py::test_sdpa_on_the_cpu_runs_the_layers_over_the_real_tokens_alone",),
+        "in the gathered row of real tokens, each document attends to every document gathered before it",
+    ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(
         "acceptance-prefix-not-chained",

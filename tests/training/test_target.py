@@ -189,9 +189,38 @@ def test_sdpa_on_the_cpu_attends_per_document_and_equals_each_document_alone(tar
         start += len(doc)
 
 
+def test_sdpa_on_the_cpu_runs_the_layers_over_the_real_tokens_alone(target_config):
+    from lightning_drafts.training.target import COMPACT_ROW_MULTIPLE
+
+    target = FrozenTarget(target_config, attn_backend="sdpa")
+    rows = [random_docs([30, 3, 41], seed=12), random_docs([17], seed=13)]
+    shapes = []
+    hook = target.decoder_layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple((args or (kwargs["hidden_states"],))[0].shape[:2])),
+        with_kwargs=True,
+    )
+    hidden, _ = run(target, stack_rows([packed_row(docs, 100) for docs in rows]))
+    hook.remove()
+    # 91 real tokens of 200, in one row filled up to the next multiple.
+    assert COMPACT_ROW_MULTIPLE == 64 and shapes == [(1, 128)]
+    for row, docs in enumerate(rows):
+        start = 0
+        for doc in docs:
+            alone = target.model(
+                input_ids=doc[None], output_hidden_states=True, use_cache=False
+            ).hidden_states
+            for layer, h in zip(LAYERS, hidden, strict=True):
+                torch.testing.assert_close(
+                    h[row, start : start + len(doc)], alone[layer + 1][0], atol=2e-5, rtol=1e-4
+                )
+            start += len(doc)
+        for h in hidden:
+            assert not h[row, start:].any()
+
+
 def test_a_documents_features_are_the_same_wherever_it_is_packed(target_config):
     # Its attention reads the document alone: neither the documents beside it nor its offset in the row
-    # change a bit of it (the linear layers see the same row width either way).
+    # change a bit of it (the linear layers see tall rows of real tokens either way).
     target = FrozenTarget(target_config, attn_backend="sdpa")
     doc = random_docs([300], seed=9)[0]
     before, after = random_docs([200], seed=10)[0], random_docs([80, 50], seed=11)
