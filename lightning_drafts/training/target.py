@@ -447,8 +447,10 @@ class FrozenTarget(nn.Module):
         The real tokens of every row are gathered into one row, so padding runs through no layer (a
         packed micro-batch's last document rarely fills its row). That row is filled up to a multiple of
         :data:`COMPACT_ROW_MULTIPLE` tokens that no document holds (their attention output is zero and
-        nothing reads them): a CPU matmul of a handful of rows rounds otherwise than a tall one, and the
-        linear layers then see only tall, round shapes, as they did over whole rows."""
+        nothing reads them): a CPU matmul of a few rows can round otherwise than a taller one (float32
+        products of 2 or 7 rows differed in their last bits from the same rows of a 4,096-row product at
+        one thread, where 64 rows or more did not), so a document's features do not depend on how few
+        tokens share its micro-batch."""
         layout = varlen_layout(packed)
         batch, width = packed.shape
         real = layout.token_index.numel()
