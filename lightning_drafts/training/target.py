@@ -412,7 +412,6 @@ class FrozenTarget(nn.Module):
     def _forward_varlen(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
         """FlashAttention varlen over the real tokens only: padding costs nothing, any batch size works."""
         layout = varlen_layout(packed)
-        batch, width = packed.shape
         hidden = self._decoder(
             input_ids=packed.input_ids.reshape(1, -1)[:, layout.token_index],
             position_ids=packed.position_ids.reshape(1, -1)[:, layout.token_index],
@@ -421,9 +420,7 @@ class FrozenTarget(nn.Module):
             max_length_q=layout.max_seqlen,
             max_length_k=layout.max_seqlen,
         )
-        for layer_id, state in captured.items():
-            captured[layer_id] = _scatter_rows(state[0], layout.token_index, batch, width)
-        return _scatter_rows(hidden[0], layout.token_index, batch, width)
+        return _back_to_rows(hidden, captured, layout.token_index, packed.shape)
 
     def _select_backend(self, device: torch.device) -> str:
         backend = resolve_backend(self.requested_backend, device)
@@ -452,7 +449,6 @@ class FrozenTarget(nn.Module):
         one thread, where 64 rows or more did not), so a document's features do not depend on how few
         tokens share its micro-batch."""
         layout = varlen_layout(packed)
-        batch, width = packed.shape
         real = layout.token_index.numel()
         compact = max(-(-real // COMPACT_ROW_MULTIPLE), 1) * COMPACT_ROW_MULTIPLE
         input_ids, position_ids = (
@@ -466,9 +462,7 @@ class FrozenTarget(nn.Module):
             hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, **{SPANS_ARGUMENT: spans})
         finally:
             self.model.set_attn_implementation(HF_ATTENTION[self.backend])
-        for layer_id, state in captured.items():
-            captured[layer_id] = _scatter_rows(state[0, :real], layout.token_index, batch, width)
-        return _scatter_rows(hidden[0, :real], layout.token_index, batch, width)
+        return _back_to_rows(hidden, captured, layout.token_index, packed.shape)
 
     def _check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
@@ -544,6 +538,18 @@ def _gather_row(values: Tensor, token_index: Tensor, width: int) -> Tensor:
     row = values.new_zeros(1, width)
     row[0, : token_index.numel()] = values.reshape(-1)[token_index]
     return row
+
+
+def _back_to_rows(
+    last_hidden: Tensor, captured: dict[int, Tensor], token_index: Tensor, shape: tuple[int, int]
+) -> Tensor:
+    """The final state ``[1, N, H]`` of a forward over the gathered real tokens (the first
+    ``len(token_index)`` of its ``N`` positions) back in the batch's ``[B, T, H]`` rows, zero on padding;
+    the ``captured`` layer outputs likewise, in place."""
+    real = token_index.numel()
+    for layer_id, state in captured.items():
+        captured[layer_id] = _scatter_rows(state[0, :real], token_index, *shape)
+    return _scatter_rows(last_hidden[0, :real], token_index, *shape)
 
 
 def _scatter_rows(flat: Tensor, token_index: Tensor, batch: int, width: int) -> Tensor:
