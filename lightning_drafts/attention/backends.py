@@ -96,6 +96,24 @@ def _create_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, d
     return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
 
 
+def mask_for_queries(mask: Tensor | TiledMask | object, queries: Tensor) -> Tensor | TiledMask | object:
+    """``mask`` (any of the three forms) restricted to the query rows ``queries`` (long, ascending,
+    distinct), in that order: attention under it gives exactly those queries' outputs under ``mask``."""
+    if isinstance(mask, TiledMask):
+        return mask.select_queries(queries)
+    if isinstance(mask, Tensor):
+        return mask.index_select(2, queries)
+    inner, count = mask.mask_mod, int(queries.numel())
+    last = max(count - 1, 0)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        # Flex pads the queries to whole blocks; a padded index reads the last query and is masked off.
+        return (q_idx < count) & inner(b, h, queries[q_idx.clamp(max=last)], kv_idx)
+
+    batch, _, _, kv_len = mask.shape
+    return block_mask_from_mask_mod(mask_mod, batch, count, kv_len, queries.device)
+
+
 def dense_mask_from_mask_mod(
     mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device
 ) -> Tensor:

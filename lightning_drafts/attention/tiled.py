@@ -78,6 +78,29 @@ class TiledMask:
             offset += count
         return mask
 
+    def select_queries(self, queries: Tensor) -> TiledMask:
+        """The mask of the queries ``queries`` alone (long, ascending, distinct), in that order.
+
+        Each tile keeps its key columns and the bias rows of its selected queries; a tile with none
+        selected is dropped with its keys. Used where only some queries still need an output (the last
+        layer of a block draft, whose other slots feed nothing a loss reads).
+        """
+        bounds = torch.tensor([tile.start for tile in self.tiles] + [self.q_len], device=queries.device)
+        # One host sync for every tile's share of the selection.
+        cuts = torch.searchsorted(queries, bounds).tolist()
+        tiles, indices, offset = [], [], 0
+        for tile, first, last in zip(self.tiles, cuts[:-1], cuts[1:], strict=True):
+            count = self.batch * tile.width
+            if last > first:
+                local = queries[first:last] - tile.start
+                empty = None if tile.empty is None else tile.empty.index_select(2, local)
+                bias = tile.bias.index_select(2, local)
+                tiles.append(MaskTile(first, last, tile.width, bias, empty))
+                indices.append(self.key_index[offset : offset + count])
+            offset += count
+        key_index = torch.cat(indices) if indices else self.key_index[:0]
+        return TiledMask(tuple(tiles), key_index, self.batch, int(queries.numel()), self.kv_len)
+
 
 def visible_columns(visible: Tensor, columns: Tensor) -> tuple[Tensor, Tensor]:
     """Drop the candidate columns no query of a tile sees.

@@ -76,10 +76,14 @@ class GroupedDynamicConv(nn.Module):
         return self._convolve(blocks, self.base_kernel[1], dynamic)
 
     def _convolve(self, blocks: Tensor, base: Tensor, dynamic: Tensor) -> Tensor:
-        # dynamic [M, bs, T, G] -> per-channel [M, bs, T, H]; tap j reads slot t - j of the same block.
-        kernel = base.to(blocks.dtype) + dynamic.repeat_interleave(self.group_size, dim=-1)
-        out = kernel[:, :, 0] * blocks
+        # Channels as [G, group_size], so a group's dynamic coefficient broadcasts over its channels instead
+        # of being copied out to them (and unbind's backward stacks the taps' gradients in one op, where a
+        # select per tap would fill a whole zero kernel each). Tap j reads slot t - j of the same block.
+        grouped = blocks.unflatten(-1, (self.groups, self.group_size))
+        kernel = base.to(blocks.dtype).unflatten(-1, (self.groups, self.group_size)) + dynamic[..., None]
+        taps = kernel.unbind(2)
+        out = taps[0] * grouped
         for tap in range(1, min(self.kernel_size, blocks.shape[1])):
-            shifted = nn.functional.pad(blocks[:, :-tap], (0, 0, tap, 0))
-            out = out + kernel[:, :, tap] * shifted
-        return out
+            shifted = nn.functional.pad(grouped[:, :-tap], (0, 0, 0, 0, tap, 0))
+            out = out + taps[tap] * shifted
+        return out.flatten(-2)

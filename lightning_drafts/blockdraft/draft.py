@@ -14,6 +14,7 @@ DFlash2 and DSpark subclass it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-from lightning_drafts.attention.backends import masked_attention
+from lightning_drafts.attention.backends import mask_for_queries, masked_attention
 from lightning_drafts.blockdraft.conv import GroupedDynamicConv
 
 # Rotary fields a Qwen3 reader would misread (dflash.md §1.4: a leaked partial_rotary_factor makes a
@@ -139,6 +140,31 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class SlotRows:
+    """Flat slot indices (``m * bs + t``, ascending) of a layer computed in part: ``attend``, the slots that
+    query; ``feed``, the slots the MLP runs on."""
+
+    attend: Tensor
+    feed: Tensor
+
+
+def _with_earlier_slots(needed: Tensor, reach: int) -> Tensor:
+    """Bool ``[M, bs]``: ``needed`` and the ``reach`` slots before each needed slot in its block."""
+    out = needed.clone()
+    for back in range(1, min(reach, needed.shape[1] - 1) + 1):
+        out[:, :-back] |= needed[:, back:]
+    return out
+
+
+def _spread(rows: Tensor, index: Tensor | None, like: Tensor) -> Tensor:
+    """``rows [n, H]`` at the flat slots ``index`` of a zero tensor shaped ``like [M, bs, H]`` (differentiable);
+    ``rows`` as ``like``'s shape when ``index`` is None (every slot)."""
+    if index is None:
+        return rows.view_as(like)
+    return like.new_zeros(like.shape).flatten(0, 1).index_copy(0, index, rows).view_as(like)
+
+
 class BlockAttention(nn.Module):
     """Non-causal GQA over ``[context | blocks]`` keys for block-slot queries; structure comes from the mask."""
 
@@ -158,15 +184,26 @@ class BlockAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(
-        self, blocks: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | object
+        self,
+        blocks: Tensor,
+        context: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | object,
+        queries: Tensor | None = None,
     ) -> Tensor:
-        """``blocks [Q, H]`` queries, ``context [R, H]`` fused target features -> ``[Q, H]``."""
+        """``blocks [Q, H]`` slots, ``context [R, H]`` fused target features -> ``[Q, H]``; with ``queries``
+        (ascending slot indices, ``mask`` already restricted to them) only those slots query: ``[n, H]``.
+        Keys and values are every context key and slot either way."""
         q_len = blocks.shape[0]
         both = torch.cat([context, blocks], dim=0)
+        q_cos, q_sin = cos[-q_len:], sin[-q_len:]
+        if queries is not None:
+            blocks, q_cos, q_sin = (t.index_select(0, queries) for t in (blocks, q_cos, q_sin))
         query = self.q_norm(self.q_proj(blocks).unflatten(-1, (self.heads, self.head_dim)))
         key = self.k_norm(self.k_proj(both).unflatten(-1, (self.kv_heads, self.head_dim)))
         value = self.v_proj(both).unflatten(-1, (self.kv_heads, self.head_dim))
-        query = apply_rotary(query.transpose(0, 1)[None], cos[-q_len:], sin[-q_len:])
+        query = apply_rotary(query.transpose(0, 1)[None], q_cos, q_sin)
         key = apply_rotary(key.transpose(0, 1)[None], cos, sin)
         value = value.transpose(0, 1)[None]
         groups = self.heads // self.kv_heads
@@ -192,19 +229,44 @@ class BlockDecoderLayer(nn.Module):
         self.has_conv = conv is not None
 
     def forward(
-        self, hidden: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | object
+        self,
+        hidden: Tensor,
+        context: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | object,
+        rows: SlotRows | None = None,
     ) -> Tensor:
-        """``hidden [M, bs, H]`` block slots; ``context [R, H]``."""
+        """``hidden [M, bs, H]`` block slots; ``context [R, H]``. With ``rows`` (``mask`` restricted to
+        ``rows.attend``) the output is exact at the slots :meth:`rows_for` was given and not computed
+        elsewhere."""
         x = self.input_layernorm(hidden)
         if self.has_conv:
             x, post = self.attention_conv.prepare(x)
-        attended = self.self_attn(x.flatten(0, 1), context, cos, sin, mask).view_as(x)
+        attend = None if rows is None else rows.attend
+        attended = _spread(self.self_attn(x.flatten(0, 1), context, cos, sin, mask, attend), attend, x)
         hidden = hidden + (self.attention_conv.finish(attended, post) if self.has_conv else attended)
         x = self.post_attention_layernorm(hidden)
         if self.has_conv:
             x, post = self.mlp_conv.prepare(x)
-        fed = self.mlp(x)
+        if rows is None:
+            fed = self.mlp(x)
+        else:
+            fed = _spread(self.mlp(x.flatten(0, 1).index_select(0, rows.feed)), rows.feed, x)
         return hidden + (self.mlp_conv.finish(fed, post) if self.has_conv else fed)
+
+    def rows_for(self, needed: Tensor) -> SlotRows:
+        """The slots whose queries and MLP inputs the layer's output at bool ``needed [M, bs]`` reads.
+
+        Without the convolution, those slots themselves. With ``T`` taps, each convolution reads ``T - 1``
+        earlier slots of the block: the output reads MLP outputs ``T - 1`` back, which read states
+        ``T - 1`` further back through the MLP's pre-convolution, whose attention outputs read ``T - 1``
+        more through the attention's post-convolution.
+        """
+        reach = self.mlp_conv.kernel_size - 1 if self.has_conv else 0
+        feed = _with_earlier_slots(needed, reach)
+        attend = _with_earlier_slots(needed, 3 * reach)
+        return SlotRows(attend.reshape(-1).nonzero().squeeze(1), feed.reshape(-1).nonzero().squeeze(1))
 
 
 class BlockDraft(nn.Module):
@@ -245,16 +307,29 @@ class BlockDraft(nn.Module):
         block_embeddings: Tensor,
         block_positions: Tensor,
         mask: Tensor | object,
+        needed: Tensor | None = None,
     ) -> Tensor:
         """Final-norm hidden states ``[M, bs, H]`` of the block slots.
 
         ``features [R, L * H]`` captured target features of the context keys, ``context_positions [R]``,
         ``block_embeddings [M, bs, H]``, ``block_positions [M, bs]`` (document-local RoPE positions),
-        ``mask``: the block mask of the layout (dense bool or flex ``BlockMask``).
+        ``mask``: the block mask of the layout (dense bool, tiled or flex ``BlockMask``).
+
+        ``needed``: bool ``[M, bs]``, the slots whose states the caller reads (None: every slot). Every
+        slot still feeds the others as a key and value in every layer, but the last layer's queries, output
+        projection and MLP run only where a needed state depends on them (:meth:`BlockDecoderLayer.rows_for`):
+        the states are exact at the needed slots and not computed at the others (finite, meaningless).
         """
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rotary_emb(torch.cat([context_positions, block_positions.flatten()]))
         hidden = block_embeddings.to(self.fc.weight.dtype)
-        for layer in self.layers:
+        *layers, last = self.layers
+        for layer in layers:
             hidden = layer(hidden, context, cos, sin, mask)
+        rows = None if needed is None else last.rows_for(needed)
+        if rows is None or rows.attend.numel() == 0:
+            # Nothing needed (a batch with no supervised slot): the whole layer keeps every parameter in the graph.
+            hidden = last(hidden, context, cos, sin, mask)
+        else:
+            hidden = last(hidden, context, cos, sin, mask_for_queries(mask, rows.attend), rows)
         return self.norm(hidden)

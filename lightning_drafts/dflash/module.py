@@ -202,11 +202,12 @@ class DFlashModule(DraftModule):
         targets = block_targets(packed, layout, known)
         kept = self._kept_blocks(targets.valid)
         if kept is None:
-            output = self._objective(packed, layout, self._draft_hidden(packed, layout, known), targets)
+            hidden = self._draft_hidden(packed, layout, known, self._needed_slots(targets))
+            output = self._objective(packed, layout, hidden, targets)
         else:
-            drafted = layout.select(kept)
-            hidden = self._draft_hidden(packed, drafted, known[kept])
-            output = self._objective(packed, drafted, hidden, targets.select(kept)).among_chains(kept)
+            drafted, kept_targets = layout.select(kept), targets.select(kept)
+            hidden = self._draft_hidden(packed, drafted, known[kept], self._needed_slots(kept_targets))
+            output = self._objective(packed, drafted, hidden, kept_targets).among_chains(kept)
         blocks = torch.tensor(float(layout.num_blocks), device=short.device)
         output.metrics.update(blocks=blocks, short_documents=short.float())
         return output
@@ -254,7 +255,20 @@ class DFlashModule(DraftModule):
             )
         return check_prefix_lengths(prefix_lengths, anchors, self.block_size)[layout.rows, layout.slots]
 
-    def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, known: Tensor) -> Tensor:
+    def _needed_slots(self, targets: BlockTargets) -> Tensor | None:
+        """Bool ``[M, bs]``: the slots that predict a supervised chain position, whose states the objective
+        reads (None: every slot, the reference path). DFlash2's greedy walk also reads the others, but only
+        at positions its statistic never reads (see :meth:`DFlash2Module._chunk_terms`)."""
+        if not self.hparams.block_valid_only:
+            return None
+        blocks = targets.valid.shape[0]
+        # Summed, not written: a chain past its block is clamped onto the last slot, whose own chain may count.
+        hits = torch.zeros(blocks, self.block_size, dtype=torch.long, device=targets.valid.device)
+        return hits.scatter_add_(1, targets.slots, targets.valid.long()) > 0
+
+    def _draft_hidden(
+        self, packed: PackedBatch, layout: BlockLayout, known: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         captured = self.target_output(packed, self.target_layer_ids, final=False).hidden_states
         features = layout.gather_context(torch.cat(captured, dim=-1))
         tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id, known)
@@ -266,6 +280,7 @@ class DFlashModule(DraftModule):
             self.target.input_embeddings(tokens),
             layout.block_position_ids(packed.position_ids),
             mask,
+            needed,
         )
 
     def feature_request(self) -> FeatureRequest:

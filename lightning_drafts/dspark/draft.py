@@ -83,11 +83,12 @@ class DSparkDraft(BlockDraft):
         block_tokens: Tensor,
         block_positions: Tensor,
         mask: Tensor | object,
+        needed: Tensor | None = None,
     ) -> Tensor:
         """As :meth:`BlockDraft.forward`, but the block slots come as token ids ``[M, bs]``, embedded here
         with the draft's own copy: under FSDP2 the root's weights are unsharded only inside its forward."""
         embeddings = self.embed_tokens(block_tokens)
-        return super().forward(features, context_positions, embeddings, block_positions, mask)
+        return super().forward(features, context_positions, embeddings, block_positions, mask, needed)
 
     def head_parameters(self) -> list[Tensor]:
         """The trainable weights :meth:`heads` reads (LM head copy when unfrozen, Markov and confidence heads)."""

@@ -217,8 +217,8 @@ class DSparkModule(DraftModule):
             return self._empty_output(packed.input_ids.device)
         output = self.target_output(packed, hooked_layer_ids(self.target_layer_ids, self.target.num_layers))
         features = context_features(output, self.target, packed, self.target_layer_ids)
-        hidden = self._draft_hidden(packed, layout, features)
         supervision = block_supervision(packed, layout)
+        hidden = self._draft_hidden(packed, layout, features, self._needed_slots(supervision.valid))
         teacher_hidden = output.final_states(
             (layout.rows[:, None], supervision.teacher_positions), needed=supervision.valid
         )
@@ -233,7 +233,17 @@ class DSparkModule(DraftModule):
         final = "all" if last in self.target_layer_ids else "next_supervised"
         return FeatureRequest(hooked_layer_ids(self.target_layer_ids, self.target.num_layers), final)
 
-    def _draft_hidden(self, packed: PackedBatch, layout: BlockLayout, features: Tensor) -> Tensor:
+    def _needed_slots(self, valid: Tensor) -> Tensor | None:
+        """The slots whose states the objective reads (None: every one, the reference path): the supervised
+        ones, with every earlier slot of the block (the ``rnn`` Markov head runs over them in order; the
+        eval mask is a prefix anyway). Elsewhere a state meets only zero weights and masked statistics."""
+        if not self.hparams.block_valid_only:
+            return None
+        return valid.flip(1).cumsum(1).flip(1) > 0
+
+    def _draft_hidden(
+        self, packed: PackedBatch, layout: BlockLayout, features: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         tokens = layout.block_input_ids(packed.input_ids, self.mask_token_id)
         mask = build_block_mask(
             layout, resolve_block_backend(self.draft_attn_backend, packed.input_ids.device)
@@ -244,6 +254,7 @@ class DSparkModule(DraftModule):
             tokens,
             layout.block_position_ids(packed.position_ids),
             mask,
+            needed,
         )
 
     def _objective(

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from lightning_drafts.attention.anchors import sample_anchors
-from lightning_drafts.attention.backends import attention_with_lse, block_causal_mask, masked_attention
+from lightning_drafts.attention.backends import (
+    attention_with_lse,
+    block_causal_mask,
+    mask_for_queries,
+    masked_attention,
+)
 from lightning_drafts.attention.block_masks import block_layout, dense_block_mask, tiled_block_mask
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import validate_batch
@@ -73,3 +78,49 @@ def test_tiled_block_mask_is_the_dense_block_mask_and_attends_alike(window):
     q = torch.randn(1, 2, layout.q_len, 8, generator=gen)
     k, v = (torch.randn(1, 2, layout.kv_len, 8, generator=gen) for _ in range(2))
     torch.testing.assert_close(masked_attention(q, k, v, tiled, 0.35), masked_attention(q, k, v, dense, 0.35))
+
+
+def documents_of_many_sizes():
+    """Block 4 (a tile holds at most 32 blocks, 128 queries): documents of 70, 1, 1, 7 and 10 blocks."""
+    docs = random_docs([80, 10, 10, 12, 20], seed=2)
+    packed = validate_batch(stack_rows([packed_row(docs[:1], 80), packed_row(docs[1:], 80)]))
+    second_row = [2, 10 + 3, *(20 + a for a in range(7)), *(32 + a for a in range(10))]
+    anchors = torch.full((2, 70), -1)
+    anchors[0] = torch.arange(70)
+    anchors[1, : len(second_row)] = torch.tensor(second_row)
+    return block_layout(packed, anchors, 4)
+
+
+def test_block_mask_tiles_hold_one_document_each_cut_evenly_and_small_documents_share_one():
+    """The 70 blocks are cut into 24, 24 and 22; the documents of 1, 1 and 7 blocks (under a quarter tile
+    each) share one tile; the one of 10 has its own."""
+    layout = documents_of_many_sizes()
+    tiled = tiled_block_mask(layout)
+    assert [(tile.start // 4, tile.stop // 4) for tile in tiled.tiles] == [
+        (0, 24),
+        (24, 48),
+        (48, 70),
+        (70, 79),
+        (79, 89),
+    ]
+    assert torch.equal(tiled.dense(), dense_block_mask(layout))
+
+
+def test_a_query_selection_of_a_tiled_mask_is_the_dense_masks_rows():
+    """Queries from some tiles, all of one tile, none of others (those tiles and their keys drop out)."""
+    layout = documents_of_many_sizes()
+    tiled, dense = tiled_block_mask(layout), dense_block_mask(layout)
+    second, last = tiled.tiles[1], tiled.tiles[-1]
+    chosen = torch.cat(
+        [torch.tensor([1, 2, 5]), torch.arange(second.start, second.stop), torch.tensor([last.start + 3])]
+    )
+    for queries in (chosen, torch.arange(layout.q_len), torch.tensor([layout.q_len - 1])):
+        selected = mask_for_queries(tiled, queries)
+        assert torch.equal(selected.dense(), dense[:, :, queries]), queries
+        assert torch.equal(mask_for_queries(dense, queries), dense[:, :, queries])
+    kept = mask_for_queries(tiled, chosen).tiles
+    assert [(tile.start, tile.stop) for tile in kept] == [
+        (0, 3),
+        (3, 3 + second.stop - second.start),
+        (99, 100),
+    ]

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
@@ -27,6 +26,7 @@ from tests.block_draft_cases import BLOCK, holed_case, to_padded
 from tests.builders import TINY_TARGETS
 from tests.families.dflash.cases import build as build_dflash
 from tests.families.dspark.cases import build as build_dspark
+from tests.matmul_rows import RowsThrough
 from tests.output_checks import assert_same_output
 
 GRADIENT_RTOL, GRADIENT_SCALED_ATOL = 1e-5, 1e-5
@@ -213,29 +213,6 @@ def test_every_dspark_block_has_its_first_slot_supervised():
 
 
 # --- the work is really skipped ---------------------------------------------------------------------------
-
-
-class RowsThrough(TorchDispatchMode):
-    """Rows of every matrix product that reads one of ``weights`` (forward and backward alike), per weight."""
-
-    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.storages = {name: w.untyped_storage().data_ptr() for name, w in weights.items()}
-        self.rows = dict.fromkeys(weights, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (
-            torch.ops.aten.mm,
-            torch.ops.aten.addmm,
-            torch.ops.aten.addmm_,
-            torch.ops.aten.bmm,
-        ):
-            read = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            for name, storage in self.storages.items():
-                if storage in read:
-                    self.rows[name] += out.numel() // out.shape[-1]
-        return out
 
 
 def weights_of(module: DraftModule) -> dict[str, torch.Tensor]:

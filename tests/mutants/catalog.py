@@ -154,6 +154,28 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/training/test_target.py::test_sdpa_on_the_cpu_runs_the_layers_over_the_real_tokens_alone",),
         "in the gathered row of real tokens, each document attends to every document gathered before it",
     ),
+    Mutant(
+        "block-draft-last-layer-misses-a-convolution-reach",
+        "lightning_drafts/blockdraft/draft.py",
+        "attend = _with_earlier_slots(needed, 3 * reach)",
+        "attend = _with_earlier_slots(needed, 2 * reach)",
+        (
+            "tests/families/test_needed_slots.py::"
+            "test_needed_slots_equal_the_full_computation_in_value_and_gradient[sdpa-conv-2-taps]",
+        ),
+        "DFlash2's last layer leaves out queries that a needed slot reads through its three convolutions",
+    ),
+    Mutant(
+        "block-mask-tiles-cross-documents",
+        "lightning_drafts/attention/block_masks.py",
+        "first_of_document[1:] = starts[1:] != starts[:-1]",
+        "first_of_document[1:] = False",
+        (
+            "tests/attention/test_tiled_attention.py::"
+            "test_block_mask_tiles_hold_one_document_each_cut_evenly_and_small_documents_share_one",
+        ),
+        "the CPU block mask's query tiles run across documents, each computing against both contexts",
+    ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(
         "acceptance-prefix-not-chained",

@@ -142,14 +142,17 @@ def test_fresh_dflash2_equals_dflash_on_the_same_weights():
     anchors = fixed_anchors(batch)
 
     (first, first_grads), (second, second_grads) = run(dflash, batch, anchors), run(dflash2, batch, anchors)
-    torch.testing.assert_close(second.loss, first.loss, rtol=0, atol=0)
-    torch.testing.assert_close(second.metrics["base_loss"], first.loss, rtol=0, atol=0)
+    # The same values, summed in another order: DFlash2's last layer also runs the slots its convolutions
+    # read (with zero weight at the identity), so its products run over more rows than DFlash's.
+    torch.testing.assert_close(second.loss, first.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(second.metrics["base_loss"], first.loss, rtol=1e-6, atol=1e-7)
     assert torch.equal(second.correct, first.correct)  # the fresh selector picks the argmax
     expected_accept = acceptance_length(*prefix_counts(first.correct, first.valid)).float()
     for name in ("base_accept_len", "greedy_accept_len"):
         torch.testing.assert_close(second.metrics[name], expected_accept)
     for name, grad in first_grads.items():
-        torch.testing.assert_close(second_grads[name], grad, rtol=0, atol=0, msg=name)
+        scale = max(float(grad.abs().max()), 1e-6)
+        torch.testing.assert_close(second_grads[name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
 
 
 def test_loss_is_base_plus_weighted_selector_loss_and_metrics_are_consistent():
