@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from lightning_drafts.attention.kv_heads import expand_kv_heads
 from lightning_drafts.attention.tiled import TiledMask, tiled_attention
 
 BACKENDS = ("sdpa", "eager", "flex", "flash")
@@ -132,12 +133,14 @@ def attention_with_lse(
     a :class:`~lightning_drafts.attention.tiled.TiledMask` (the fast CPU path) or a flex ``BlockMask``
     (GPU). Drafts that add extra key columns outside the mask (EAGLE-3's TTT diagonal) merge them
     through the returned log-sum-exp, so it carries gradients. A query with no visible key returns
-    zeros and ``-inf``, never NaN.
+    zeros and ``-inf``, never NaN. ``key`` / ``value`` may have fewer heads than ``query``, a divisor of
+    them (grouped-query attention, :mod:`~lightning_drafts.attention.kv_heads`).
     """
     query, key, value = one_dtype(query, key, value)
     if isinstance(mask, TiledMask):
         out, lse = tiled_attention(query, key, value, mask, scale, with_lse=True)
         return out, lse
+    key, value = expand_kv_heads(query, key, value)
     if isinstance(mask, Tensor):
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -158,6 +161,7 @@ def masked_attention(
         return tiled_attention(query, key, value, mask, scale, with_lse=False)[0]
     if isinstance(mask, Tensor):
         return attention_with_lse(query, key, value, mask, scale)[0]
+    key, value = expand_kv_heads(query, key, value)
     return flex_attention_for(query.device)(query, key, value, mask, scale)
 
 

@@ -21,9 +21,11 @@ def cpu_flash_attention(
     causal: bool = False,
     bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``[B, H, Q, d_v]`` attention of ``query [B, H, Q, d]`` over ``key [B, H, KV, d]`` / ``value [B, H, KV,
-    d_v]`` (KV heads already expanded, one dtype) and its fp32 log-sum-exp ``[B, H, Q]``; ``causal``: query
-    ``i`` sees keys ``0..i``; ``bias``: an additive ``[B, 1, Q, KV]`` mask in the queries' dtype."""
+    """``[B, H, Q, d_v]`` attention of ``query [B, H, Q, d]`` over ``key [B, H_kv, KV, d]`` / ``value [B, H_kv,
+    KV, d_v]`` (one dtype; ``H_kv`` is ``H`` or, for grouped-query attention, a divisor of it: the kernel reads
+    query head ``h``'s keys and values from head ``h // (H / H_kv)``) and its fp32 log-sum-exp ``[B, H, Q]``;
+    ``causal``: query ``i`` sees keys ``0..i``; ``bias``: an additive ``[B, 1, Q, KV]`` mask in the queries'
+    dtype."""
     value_dim = value.shape[-1]
     dim = max(query.shape[-1], value_dim)
     query, key, value = (_widen(x, dim) for x in (query, key, value))

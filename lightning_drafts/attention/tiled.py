@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.attention.cpu_flash import cpu_flash_attention
+from lightning_drafts.attention.kv_heads import expand_kv_heads
 
 # Queries per tile: small enough that a tile spans about one document of chat-length rows, large
 # enough that the per-tile kernel launch and key gather stay negligible.
@@ -161,9 +162,12 @@ def tile_dense_mask(mask: Tensor, tile_queries: int = TILE_QUERIES) -> TiledMask
 def tiled_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: TiledMask, scale: float, with_lse: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """``[B, H, Q, d_v]`` attention under ``mask`` (KV heads already expanded), and the fp32 ``[B, H, Q]``
-    log-sum-exp when ``with_lse`` (``-inf`` and a zero output for a query that sees nothing)."""
+    """``[B, H, Q, d_v]`` attention under ``mask`` and the fp32 ``[B, H, Q]`` log-sum-exp when ``with_lse``
+    (``-inf`` and a zero output for a query that sees nothing). ``key`` / ``value`` have ``H`` heads or, for
+    grouped-query attention, a divisor of ``H`` (query head ``h`` reads head ``h // (H / H_kv)``): only the
+    keys a tile sees are gathered, and of the grouped heads alone."""
     batch, heads, q_len, _ = query.shape
+    kv_heads = key.shape[1]
     if (batch, q_len, key.shape[2]) != (mask.batch, mask.q_len, mask.kv_len):
         raise ValueError(
             f"attention shapes (B={batch}, Q={q_len}, KV={key.shape[2]}) do not match the tiled mask "
@@ -185,8 +189,8 @@ def tiled_attention(
     )
     outs, lses, pulls = [], [], []
     for tile, q, k, v in pieces:
-        k = k.view(batch, tile.width, heads, -1).transpose(1, 2)
-        v = v.view(batch, tile.width, heads, -1).transpose(1, 2)
+        k = k.view(batch, tile.width, kv_heads, -1).transpose(1, 2)
+        v = v.view(batch, tile.width, kv_heads, -1).transpose(1, 2)
         out, lse, pulled = _tile_attention(q, k, v, tile, scale, with_lse)
         outs.append(out)
         lses.append(lse)
@@ -240,6 +244,7 @@ def _cpu_flash(
 def _dense_math(
     query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float
 ) -> tuple[Tensor, Tensor]:
+    key, value = expand_kv_heads(query, key, value)
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale + tile.bias
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))

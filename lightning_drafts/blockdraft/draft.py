@@ -206,8 +206,7 @@ class BlockAttention(nn.Module):
         query = apply_rotary(query.transpose(0, 1)[None], q_cos, q_sin)
         key = apply_rotary(key.transpose(0, 1)[None], cos, sin)
         value = value.transpose(0, 1)[None]
-        groups = self.heads // self.kv_heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        # Grouped-query heads as they are: the attention repeats them only for the kernels that need it.
         out = masked_attention(query, key, value, mask, scale=self.head_dim**-0.5)
         return self.o_proj(out[0].transpose(0, 1).flatten(1))
 

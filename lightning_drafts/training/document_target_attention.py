@@ -70,10 +70,13 @@ def document_target_attention(
             f"document_spans {spans[:4]}{' ...' if len(spans) > 4 else ''} do not fit this layer's batch of "
             f"{batch} rows of {width} tokens; build them from the same batch (FrozenTarget does)"
         )
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        # Query head h reads key head h // groups, as transformers' repeat_kv lays them out.
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads; the target's "
+            "config is inconsistent"
+        )
+    # Grouped-query heads go to the kernel as they are: it reads query head h's keys from head h // groups,
+    # as transformers' repeat_kv lays them out, without the repeated copy.
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Under bf16-mixed autocast the rotary embedding leaves queries and keys float32 beside bf16 values;
     # SDPA, an autocast op, computes in bf16 there, and so does this (the fused kernel wants one dtype).

@@ -124,3 +124,27 @@ def test_a_query_selection_of_a_tiled_mask_is_the_dense_masks_rows():
         (3, 3 + second.stop - second.start),
         (99, 100),
     ]
+
+
+@pytest.mark.parametrize("form", ["tiled", "dense"])
+def test_grouped_query_heads_attend_as_their_repeated_copies(form):
+    """Six query heads over two key/value heads: query head h reads head h // 3, exactly what
+    ``repeat_interleave`` copies give (the reference), in values, log-sum-exp and gradients."""
+    layout = documents_of_many_sizes()
+    mask = tiled_block_mask(layout) if form == "tiled" else dense_block_mask(layout)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 6, layout.q_len, 8, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, layout.kv_len, 8, generator=gen, requires_grad=True)
+    v = torch.randn(1, 2, layout.kv_len, 4, generator=gen, requires_grad=True)
+    out_grad = torch.randn(1, 6, layout.q_len, 4, generator=gen)
+    lse_grad = torch.randn(1, 6, layout.q_len, generator=gen)
+    results = []
+    for key, value in ((k, v), (k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))):
+        out, lse = attention_with_lse(q, key, value, mask, scale=0.4)
+        objective = (out * out_grad).sum() + (lse * lse_grad).sum()
+        results.append((out, lse, torch.autograd.grad(objective, (q, k, v))))
+    (out, lse, grads), (ref_out, ref_lse, ref_grads) = results
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(masked_attention(q, k, v, mask, 0.4), ref_out, rtol=0, atol=0)

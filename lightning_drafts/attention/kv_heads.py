@@ -1,0 +1,22 @@
+"""Grouped-query attention's key and value heads, repeated out to the query heads for the kernels that need
+them equal: the dense reference math and flex. PyTorch's CPU flash kernel does not (query head ``h`` reads
+key and value head ``h // groups`` itself, as transformers' ``repeat_kv`` lays them out), so the CPU paths
+hand it the grouped heads and never make the repeated copy, nor sum its gradient back."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def expand_kv_heads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """``key`` / ``value`` ``[B, H_kv, KV, d]`` with each head repeated ``H / H_kv`` times to the query's ``H``."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(
+            f"{heads} query heads are not a multiple of {kv_heads} key/value heads; grouped-query attention "
+            "needs num_attention_heads divisible by num_key_value_heads"
+        )
+    groups = heads // kv_heads
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
