@@ -104,15 +104,18 @@ def mask_for_queries(mask: Tensor | TiledMask | object, queries: Tensor) -> Tens
         return mask.select_queries(queries)
     if isinstance(mask, Tensor):
         return mask.index_select(2, queries)
-    inner, count = mask.mask_mod, int(queries.numel())
-    last = max(count - 1, 0)
+    if queries.numel() == 0:
+        raise ValueError("mask_for_queries needs at least one query; run no attention for none")
+    inner = mask.mask_mod
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        # Flex pads the queries to whole blocks; a padded index reads the last query and is masked off.
-        return (q_idx < count) & inner(b, h, queries[q_idx.clamp(max=last)], kv_idx)
+        # Flex pads the queries to whole blocks; a padded index reads the last query and is masked off. The
+        # count is read from the tensor, so a compiled mask creation sees a size, not a new constant per call.
+        count = queries.shape[0]
+        return (q_idx < count) & inner(b, h, queries[q_idx.clamp(max=count - 1)], kv_idx)
 
     batch, _, _, kv_len = mask.shape
-    return block_mask_from_mask_mod(mask_mod, batch, count, kv_len, queries.device)
+    return block_mask_from_mask_mod(mask_mod, batch, int(queries.numel()), kv_len, queries.device)
 
 
 def dense_mask_from_mask_mod(
