@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 
 from lightning_drafts.attention.backends import one_dtype
 from lightning_drafts.attention.cpu_flash import cpu_flash_attention
+from lightning_drafts.attention.kv_heads import query_groups
 
 DOCUMENT_ATTENTION = "lightning_drafts_documents"
 # The keyword argument of the model's forward that carries the spans down to every layer.
@@ -70,13 +71,9 @@ def document_target_attention(
             f"document_spans {spans[:4]}{' ...' if len(spans) > 4 else ''} do not fit this layer's batch of "
             f"{batch} rows of {width} tokens; build them from the same batch (FrozenTarget does)"
         )
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(
-            f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads; the target's "
-            "config is inconsistent"
-        )
-    # Grouped-query heads go to the kernel as they are: it reads query head h's keys from head h // groups,
-    # as transformers' repeat_kv lays them out, without the repeated copy.
+    # Grouped-query heads go to the kernel as they are (checked to divide the query heads): it reads query
+    # head h's keys from head h // groups, as transformers' repeat_kv lays them out, without a repeated copy.
+    query_groups(query, key)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Under bf16-mixed autocast the rotary embedding leaves queries and keys float32 beside bf16 values;
     # SDPA, an autocast op, computes in bf16 there, and so does this (the fused kernel wants one dtype).

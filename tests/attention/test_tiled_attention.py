@@ -14,6 +14,7 @@ from lightning_drafts.attention.backends import (
     masked_attention,
 )
 from lightning_drafts.attention.block_masks import block_layout, dense_block_mask, tiled_block_mask
+from lightning_drafts.attention.kv_heads import expand_kv_heads
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import validate_batch
 from tests.builders import packed_row, random_docs, stack_rows
@@ -148,3 +149,9 @@ def test_grouped_query_heads_attend_as_their_repeated_copies(form):
     for grad, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(masked_attention(q, k, v, mask, 0.4), ref_out, rtol=0, atol=0)
+
+
+def test_key_value_heads_that_do_not_divide_the_query_heads_are_refused():
+    query, key = torch.zeros(1, 6, 3, 8), torch.zeros(1, 4, 5, 8)
+    with pytest.raises(ValueError, match="6 query heads are not a multiple of 4 key/value heads"):
+        expand_kv_heads(query, key, key)
