@@ -61,7 +61,8 @@ class TTTAttention(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement project_query")
 
     def project_key_value(self, fused: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``k, v`` as ``[B, heads, T, d]`` with RoPE applied to ``k`` at ``positions``, KV heads expanded."""
+        """``k, v`` as ``[B, kv_heads, T, d]`` with RoPE applied to ``k`` at ``positions``: the draft's own
+        key/value heads, a divisor of the query heads (grouped-query attention), never repeated out."""
         raise NotImplementedError(f"{type(self).__name__} must implement project_key_value")
 
     def forward(

@@ -96,9 +96,7 @@ class LlamaDraftAttention(TTTAttention):
         batch, width, _ = fused.shape
         key = self.k_proj(fused).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(fused).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        key = rotate_half_rope(key, self.rope.angles(positions), self.rope.attention_scaling)
-        groups = self.num_heads // self.num_kv_heads
-        return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        return rotate_half_rope(key, self.rope.angles(positions), self.rope.attention_scaling), value
 
 
 class LlamaEagle3Draft(Eagle3Draft):

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.attention.backends import attention_with_lse
+from lightning_drafts.attention.kv_heads import query_groups
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.row_top import row_max
@@ -32,7 +33,8 @@ from lightning_drafts.eagle3.step_objective import StepObjective
 
 @dataclass
 class TTTCache:
-    """The keys and values of every TTT step so far (``[B, heads, T, d]`` each, heads already expanded)."""
+    """The keys and values of every TTT step so far (``[B, heads, T, d]`` each, with the draft's own
+    key/value heads: fewer than the query heads under grouped-query attention)."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
@@ -98,17 +100,23 @@ def ttt_attention(
     block, block_lse = attention_with_lse(query, cache.keys[0], cache.values[0], mask, scale)
     if len(cache.keys) == 1:
         return block
-    q32 = query.float()
+    # Grouped-query heads stay grouped: query head h reads key/value head h // groups (transformers'
+    # repeat_kv order) by broadcasting over a group axis, so no repeated copy of a step's keys is made.
+    groups = query_groups(query, key)
+    grouped = query.float().unflatten(1, (key.shape[1], groups))
     # Scores stacked on a leading axis and the values weighted one step at a time: stacking the values on
     # a trailing axis of size k copied every one of them at every step (and kept the copy for backward).
-    diagonal = torch.stack([(q32 * k.float()).sum(-1) for k in cache.keys[1:]]) * scale
+    diagonal = torch.stack([(grouped * k.float()[:, :, None]).sum(-1).flatten(1, 2) for k in cache.keys[1:]])
+    diagonal = diagonal * scale
     total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=0))
-    out = torch.exp(block_lse - total)[..., None].to(block.dtype) * block
+    out = (torch.exp(block_lse - total)[..., None].to(block.dtype) * block).unflatten(
+        1, (key.shape[1], groups)
+    )
     for weight, diagonal_value in zip(
         torch.exp(diagonal - total).to(value.dtype), cache.values[1:], strict=True
     ):
-        out = out + weight[..., None] * diagonal_value
-    return out
+        out = out + weight.unflatten(1, (key.shape[1], groups))[..., None] * diagonal_value[:, :, None]
+    return out.flatten(1, 2)
 
 
 # --- frames and masks -----------------------------------------------------------------------------

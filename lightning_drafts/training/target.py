@@ -24,6 +24,7 @@ from lightning_drafts.attention.backends import (
 from lightning_drafts.core.batch import PackedBatch, varlen_layout
 from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
+from lightning_drafts.core.row_top import row_max
 from lightning_drafts.core.target_features import FeatureRequest, TargetFeatures, final_position_mask
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.training.decoderless import load_without_decoder
@@ -377,9 +378,11 @@ class FrozenTarget(nn.Module):
 
     @torch.no_grad()
     def greedy_tokens(self, last_hidden_state: Tensor, chunk_tokens: int = 4096) -> Tensor:
-        """Full-vocabulary argmax per position, computed in chunks so ``[B, T, V]`` never exists at once."""
+        """Full-vocabulary argmax per position (the first maximal id), computed in chunks so ``[B, T, V]``
+        never exists at once; through block maxima (:func:`~lightning_drafts.core.row_top.row_max`), as an
+        indexed reduction over the vocabulary is the slow one on CPU."""
         flat = last_hidden_state.reshape(-1, last_hidden_state.shape[-1])
-        pieces = [self.logits(part).argmax(dim=-1) for part in flat.split(chunk_tokens)]
+        pieces = [row_max(self.logits(part))[1] for part in flat.split(chunk_tokens)]
         return torch.cat(pieces).reshape(last_hidden_state.shape[:-1])
 
     @contextmanager

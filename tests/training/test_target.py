@@ -73,8 +73,10 @@ def test_captured_layers_are_hf_layer_outputs(target_config):
     torch.testing.assert_close(logits, reference.logits)
 
 
-def test_restricted_logits_and_chunked_greedy_tokens_match_full_vocabulary():
-    target = FrozenTarget(TINY_TARGETS["qwen3"])
+# 300: past two of row_max's 128-column blocks, with a tail after the last whole one.
+@pytest.mark.parametrize("vocab", [96, 300])
+def test_restricted_logits_and_chunked_greedy_tokens_match_full_vocabulary(vocab):
+    target = FrozenTarget({**TINY_TARGETS["qwen3"], "vocab_size": vocab})
     packed = validate_batch({"input_ids": random_docs([12], seed=3)[0][None]})
     last = target(packed).last_hidden_state
     full = target.logits(last)

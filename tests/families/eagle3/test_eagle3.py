@@ -119,19 +119,22 @@ def test_trains_in_a_lightning_trainer(tmp_path):
     checks.check_trains_in_lightning_trainer(Eagle3Module, LLAMA, tmp_path)
 
 
-def test_ttt_attention_equals_explicit_concatenated_keys():
-    """Block 1 + diagonals merged through the log-sum-exp == one softmax over explicitly laid-out keys."""
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_ttt_attention_equals_explicit_concatenated_keys(kv_heads):
+    """Block 1 + diagonals merged through the log-sum-exp == one softmax over explicitly laid-out keys;
+    with grouped key/value heads, query head h reads key/value head h // groups."""
     gen = torch.Generator().manual_seed(0)
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
     mask = block_causal_mask(doc_ids)
-    batch, heads, width, dim, steps = 1, 2, 7, 8, 4
+    batch, heads, width, dim, steps = 1, 4, 7, 8, 4
     cache = TTTCache()
     keys, values = [], []
     for step in range(steps):
-        q, k, v = (torch.randn(batch, heads, width, dim, generator=gen) for _ in range(3))
+        q = torch.randn(batch, heads, width, dim, generator=gen)
+        k, v = (torch.randn(batch, kv_heads, width, dim, generator=gen) for _ in range(2))
         out = ttt_attention(q, k, v, cache, mask, scale=dim**-0.5)
-        keys.append(k)
-        values.append(v)
+        keys.append(k.repeat_interleave(heads // kv_heads, dim=1))
+        values.append(v.repeat_interleave(heads // kv_heads, dim=1))
         # Reference: row t attends to K_0[j] (block-causal) and to K_i[t] for 1 <= i <= step.
         all_keys = torch.cat(keys, dim=2)
         all_values = torch.cat(values, dim=2)
