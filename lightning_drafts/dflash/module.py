@@ -317,7 +317,9 @@ class DFlashModule(DraftModule):
     def _chunk_terms(self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor) -> tuple[Tensor, ...]:
         positions = self._positions(valid)
         logits = self._logits(positions.gather(states))
-        nll, predicted = nll_and_argmax(logits, positions.gather(labels), self._single_nll_backward)
+        nll, predicted = nll_and_argmax(
+            logits, positions.gather(labels), self._single_nll_backward, consume=True
+        )
         terms = self.objective.chunk_terms(positions.scatter(nll), valid, base)
         # -1 is never a label: a position left out is never correct.
         return (*terms.sums, terms.gold_probability_sum, positions.scatter(predicted, -1))

@@ -306,7 +306,7 @@ class DSparkModule(DraftModule):
         # The target's own head: equal to the frozen copy, and it cannot drift if the copy is unfrozen.
         teacher_logits = self.target.logits(positions.gather(teacher_hidden).index_select(0, first))
         ce, l1, predicted = distribution_terms(
-            logits, teacher_logits, positions.gather(labels), teacher_index
+            logits, teacher_logits, positions.gather(labels), teacher_index, consume=True
         )
         # A slot left out gets ce = l1 = 0 (alpha 1): each meets a zero weight or the eval mask only.
         ce, l1 = positions.scatter(ce), positions.scatter(l1)

@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 
 # Reused, not copied: DSpark's position decay and epsilon are DFlash's (exp(-k / gamma), 1e-6).
 from lightning_drafts.blockdraft.objective import LOSS_EPS, decay_weights
-from lightning_drafts.core.gold_nll import softmax_lse_argmax
+from lightning_drafts.core.gold_nll import softmax_into, softmax_lse_argmax
 from lightning_drafts.core.row_blocks import row_blocks
 
 __all__ = [
@@ -55,7 +55,11 @@ class LossWeights:
 
 
 def distribution_terms(
-    draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor, teacher_index: Tensor | None = None
+    draft_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    teacher_index: Tensor | None = None,
+    consume: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per slot ``[...]`` (``draft_logits`` ``[..., V]``, ``labels`` ``[...]``): fp32 cross-entropy against
     ``labels``, the L1 distance between the draft and the (detached) teacher distributions, differentiable
@@ -64,15 +68,17 @@ def distribution_terms(
     ``teacher_logits`` are ``[..., V]`` aligned with the slots, or, with ``teacher_index`` (``[...]``
     indices into its rows), ``[u, V]`` logits of distinct teacher positions that several slots share:
     each teacher softmax is then computed once.
+
+    ``consume``: both logits are fresh projections nothing else reads (the draft's never a leaf): each
+    softmax is written into its logits instead of a second ``[n, V]`` / ``[u, V]`` tensor
+    (:func:`~lightning_drafts.core.gold_nll.softmax_into`).
     """
     vocab = draft_logits.shape[-1]
     if teacher_index is not None:
         teacher_index = teacher_index.reshape(-1)
-    ce, l1, predicted = _DistributionTerms.apply(
-        draft_logits.reshape(-1, vocab),
-        teacher_logits.detach().reshape(-1, vocab),
-        labels.reshape(-1).long(),
-        teacher_index,
+    flat = draft_logits if consume else draft_logits.reshape(-1, vocab)
+    ce, l1, predicted, _ = _DistributionTerms.apply(
+        flat, teacher_logits.detach().reshape(-1, vocab), labels.reshape(-1).long(), teacher_index, consume
     )
     return ce.view(labels.shape), l1.view(labels.shape), predicted.view(labels.shape)
 
@@ -95,12 +101,22 @@ class _DistributionTerms(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, draft_logits: Tensor, teacher_logits: Tensor, labels: Tensor, teacher_index: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        logits = draft_logits.float()
-        probs, lse, predicted = softmax_lse_argmax(logits)
-        ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
-        teacher = torch.softmax(teacher_logits.float(), dim=-1)
+        ctx,
+        draft_logits: Tensor,
+        teacher_logits: Tensor,
+        labels: Tensor,
+        teacher_index: Tensor | None,
+        consume: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        logits, writable = softmax_into(draft_logits, consume)
+        dirty = writable and logits is draft_logits
+        # Read before the softmax may overwrite the logits.
+        gold = logits.gather(-1, labels[:, None]).squeeze(-1)
+        probs, lse, predicted = softmax_lse_argmax(logits, in_place=writable)
+        ce = lse - gold
+        # The teacher's logits are detached: writing into them needs no mark.
+        teacher, writable = softmax_into(teacher_logits, consume)
+        teacher = torch.softmax(teacher, dim=-1, out=teacher) if writable else torch.softmax(teacher, dim=-1)
         if teacher_index is None:
             teacher_index = torch.arange(len(teacher), device=teacher.device)
         l1 = probs.new_empty(len(probs))
@@ -110,12 +126,20 @@ class _DistributionTerms(torch.autograd.Function):
             torch.linalg.vector_norm(difference, ord=1, dim=-1, out=l1[block])
         ctx.save_for_backward(probs, teacher, teacher_index, labels)
         ctx.dtype, ctx.used = draft_logits.dtype, False
+        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(predicted)
-        return ce, l1, predicted
+        if dirty:
+            ctx.mark_dirty(draft_logits)
+        else:
+            ctx.mark_non_differentiable(probs)
+        # The softmax is returned (and dropped by the caller) because autograd needs a dirty input back.
+        return ce, l1, predicted, probs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_ce: Tensor, grad_l1: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:
+    def backward(
+        ctx, grad_ce: Tensor | None, grad_l1: Tensor | None, _: Tensor | None, __: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
         if ctx.used:
             raise RuntimeError(
                 "backward ran twice through the DSpark distribution terms, whose buffers the first backward "
@@ -123,7 +147,10 @@ class _DistributionTerms(torch.autograd.Function):
             )
         ctx.used = True
         probs, teacher, teacher_index, labels = ctx.saved_tensors
-        grad_ce, grad_l1 = grad_ce.float(), grad_l1.float()
+        if grad_ce is None and grad_l1 is None:
+            return None, None, None, None, None
+        grad_ce = probs.new_zeros(len(probs)) if grad_ce is None else grad_ce.float()
+        grad_l1 = probs.new_zeros(len(probs)) if grad_l1 is None else grad_l1.float()
         for block in row_blocks(probs):
             p = probs[block]
             # -p s, exact (s is -1, 0 or 1): grad = g_l1 p s + p (g_ce - g_l1 <p, s>), written into p.
@@ -131,7 +158,7 @@ class _DistributionTerms(torch.autograd.Function):
             scale = torch.addcmul(grad_ce[block], grad_l1[block], negative.sum(-1))
             torch.addcmul(negative.mul_(-grad_l1[block, None]), p, scale[:, None], out=p)
         probs.scatter_add_(-1, labels[:, None], -grad_ce[:, None])
-        return probs.to(ctx.dtype), None, None, None
+        return probs.to(ctx.dtype), None, None, None, None
 
 
 def acceptance_probability(l1: Tensor) -> Tensor:

@@ -326,17 +326,50 @@ def test_distribution_terms_gradient_is_the_formulas_gradient(dtype):
         return ce, (log_probs.exp() - torch.softmax(teacher, dim=-1)).abs().sum(-1)
 
     results = []
-    for terms in (formulas, lambda z: distribution_terms(z, teacher, labels)[:2]):
+    for terms in (
+        formulas,
+        lambda z: distribution_terms(z, teacher, labels)[:2],
+        # Handed over: the softmaxes are written into a non-leaf copy of the logits and a teacher copy.
+        lambda z: distribution_terms(z.flatten(0, 1) * 1, teacher.clone(), labels, consume=True)[:2],
+    ):
         z = logits.clone().requires_grad_(True)
         ce, l1 = terms(z)
         ((ce * w_ce).sum() + (l1 * w_l1).sum()).backward()
         results.append((ce.detach(), l1.detach(), z.grad))
-    (ce, l1, grad), (fast_ce, fast_l1, fast_grad) = results
-    torch.testing.assert_close(fast_ce, ce, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast_l1, l1, rtol=1e-5, atol=1e-5)
-    assert fast_grad.dtype == dtype
-    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(fast_grad.float(), grad.float(), rtol=tolerance, atol=tolerance)
+    (ce, l1, grad), *fast = results
+    for fast_ce, fast_l1, fast_grad in fast:
+        torch.testing.assert_close(fast_ce, ce, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast_l1, l1, rtol=1e-5, atol=1e-5)
+        assert fast_grad.dtype == dtype
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(fast_grad.float(), grad.float(), rtol=tolerance, atol=tolerance)
+    for one, consumed in zip(fast[0], fast[1], strict=True):
+        torch.testing.assert_close(consumed, one, rtol=0, atol=0)
+
+
+def test_consumed_logits_hold_the_softmaxes_and_no_second_copy_is_saved():
+    """``consume=True``: the draft and teacher softmaxes are written into the logits handed over, and what
+    backward keeps is that storage, not a second ``[n, V]`` tensor; without it the logits stay as they were."""
+    gen = torch.Generator().manual_seed(4)
+    logits, teacher = torch.randn(6, 50, generator=gen), torch.randn(3, 50, generator=gen)
+    labels, index = torch.randint(0, 50, (6,), generator=gen), torch.tensor([0, 1, 1, 2, 2, 0])
+    saved: list[torch.Tensor] = []
+    for consume in (False, True):
+        z = logits.clone().requires_grad_(True)
+        draft, given_teacher = z * 1, teacher.clone()
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            ce, l1, _ = distribution_terms(draft, given_teacher, labels, index, consume=consume)
+        vocabulary_wide = {t.data_ptr() for t in saved if t.shape[-1] == 50 and t.dim() == 2}
+        if consume:
+            torch.testing.assert_close(draft.detach(), torch.softmax(logits, -1), rtol=0, atol=0)
+            torch.testing.assert_close(given_teacher, torch.softmax(teacher, -1), rtol=0, atol=0)
+            assert vocabulary_wide == {draft.data_ptr(), given_teacher.data_ptr()}
+        else:
+            assert torch.equal(draft.detach(), logits) and torch.equal(given_teacher, teacher)
+            assert not vocabulary_wide & {draft.data_ptr(), given_teacher.data_ptr()}
+        (ce.sum() + l1.sum()).backward()
+        assert torch.isfinite(z.grad).all()
 
 
 def test_distribution_terms_with_shared_teacher_rows_equal_one_row_per_slot():
