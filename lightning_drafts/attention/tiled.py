@@ -9,11 +9,9 @@ as a flex ``BlockMask`` does on the GPU. It is built once per batch and shared b
 TTT step.
 
 Each tile runs PyTorch's fused CPU flash-attention kernel on its gathered keys (no ``Q x KV`` fp32
-scores are kept for backward). The kernel's log-sum-exp carries no gradient, so it is made
-differentiable through ``d lse / d s = softmax(s) = P``: with ``Y = P K`` (the same attention over
-detached queries and keys, with the keys as values), ``lse + scale * (q . Y - stop_grad(q . Y))`` has the
-value ``lse`` and exactly the gradients ``scale * P K`` for the queries and ``scale * P^T (g * q)`` for
-the keys. Off the CPU (an explicit ``sdpa`` request on CUDA) each tile runs the dense fp32 math.
+scores are kept for backward), whose log-sum-exp is differentiable too
+(:mod:`~lightning_drafts.attention.cpu_flash`: one backward kernel per tile for both outputs). Off the
+CPU (an explicit ``sdpa`` request on CUDA) each tile runs the dense fp32 math.
 """
 
 from __future__ import annotations
@@ -187,24 +185,14 @@ def tiled_attention(
         values.split(widths),
         strict=True,
     )
-    outs, lses, pulls = [], [], []
+    outs, lses = [], []
     for tile, q, k, v in pieces:
         k = k.view(batch, tile.width, kv_heads, -1).transpose(1, 2)
         v = v.view(batch, tile.width, kv_heads, -1).transpose(1, 2)
-        out, lse, pulled = _tile_attention(q, k, v, tile, scale, with_lse)
+        out, lse = _tile_attention(q, k, v, tile, scale)
         outs.append(out)
         lses.append(lse)
-        if pulled is not None:
-            pulls.append(pulled)
-    if not with_lse:
-        return torch.cat(outs, dim=2), None
-    lse = torch.cat(lses, dim=2)
-    if pulls:
-        # The log-sum-exp's gradient, once over every tile's queries: per tile it was five more small
-        # ops (and their backward) each, which cost a thread synchronisation apiece.
-        pull = (query.float() * torch.cat(pulls, dim=2).float()).sum(-1) * scale
-        lse = lse + (pull - pull.detach())
-    return torch.cat(outs, dim=2), lse
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2) if with_lse else None
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
@@ -213,32 +201,18 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
 
 
 def _tile_attention(
-    query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The tile's output, its log-sum-exp (when ``with_lse``) and, where the log-sum-exp needs a gradient,
-    ``P K`` (see the module docstring: ``lse`` pulls by ``scale * q . P K``)."""
-    pulled = None
+    query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The tile's output and its log-sum-exp (both differentiable; the log-sum-exp costs nothing unless a
+    gradient reaches it)."""
     if query.device.type == "cpu":
-        out, lse, pulled = _cpu_flash(query, key, value, tile, scale, with_lse)
+        out, lse = cpu_flash_attention(query, key, value, scale, bias=tile.bias.to(query.dtype))
     else:
         out, lse = _dense_math(query, key, value, tile, scale)
     if tile.empty is not None:
         out = out.masked_fill(tile.empty[..., None], 0.0)
         lse = lse.masked_fill(tile.empty, float("-inf"))
-        # A query that sees nothing has no log-sum-exp gradient.
-        pulled = None if pulled is None else pulled.masked_fill(tile.empty[..., None], 0.0)
-    return out, lse if with_lse else None, pulled
-
-
-def _cpu_flash(
-    query: Tensor, key: Tensor, value: Tensor, tile: MaskTile, scale: float, with_lse: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    bias = tile.bias.to(query.dtype)
-    out, lse = cpu_flash_attention(query, key, value, scale, bias=bias)
-    pulled = None
-    if with_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        pulled = cpu_flash_attention(query.detach(), key.detach(), key, scale, bias=bias)[0]
-    return out, lse, pulled
+    return out, lse
 
 
 def _dense_math(
