@@ -176,6 +176,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "the CPU block mask's query tiles run across documents, each computing against both contexts",
     ),
+    Mutant(
+        "cpu-flash-lse-gradient-carried-with-the-wrong-sign",
+        "lightning_drafts/attention/cpu_flash.py",
+        "out = torch.cat([out, out.new_full((*out.shape[:-1], 1), -1.0)], dim=-1)",
+        "out = torch.cat([out, out.new_full((*out.shape[:-1], 1), 1.0)], dim=-1)",
+        ("tests/attention/test_cpu_flash.py",),
+        "the CPU flash kernel's log-sum-exp gradient moves D to D + g instead of D - g",
+    ),
+    Mutant(
+        "ttt-diagonal-reads-key-heads-in-repeat-order",
+        "lightning_drafts/eagle3/ttt.py",
+        "grouped = query.float().unflatten(1, (key.shape[1], groups))",
+        "grouped = query.float().unflatten(1, (groups, key.shape[1])).transpose(1, 2)",
+        ("tests/families/eagle3/test_eagle3.py::test_ttt_attention_equals_explicit_concatenated_keys",),
+        "EAGLE-3's TTT diagonal pairs query head h with key head h % kv_heads instead of h // groups",
+    ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(
         "acceptance-prefix-not-chained",
