@@ -58,26 +58,37 @@ def softmax_into(logits: Tensor, consume: bool) -> tuple[Tensor, bool]:
     return values, consume or values is not logits
 
 
+def softmax_cross_entropy(
+    ctx: torch.autograd.function.FunctionCtx, logits: Tensor, labels: Tensor, consume: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Inside an autograd Function's forward taking ``logits [n, V]``: ``(probs, nll, predicted)``, the fp32
+    softmax (written into ``logits`` when :func:`softmax_into` allows), ``lse - z[label]`` and the argmax.
+    Marks ``ctx``: the argmax non-differentiable, and ``logits`` dirty when the softmax was written into them
+    (the Function must then return ``probs``, which is ``logits``), else ``probs`` non-differentiable; a
+    gradient that never arrives is passed to backward as None, not a zero ``[n, V]`` tensor."""
+    values, writable = softmax_into(logits, consume)
+    # Read before the softmax may overwrite the logits.
+    gold = values.gather(-1, labels[:, None]).squeeze(-1)
+    probs, lse, predicted = softmax_lse_argmax(values, in_place=writable)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(predicted)
+    if writable and values is logits:
+        ctx.mark_dirty(logits)
+    else:
+        ctx.mark_non_differentiable(probs)
+    return probs, lse - gold, predicted
+
+
 class _GoldNll(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, logits: Tensor, labels: Tensor, single_backward: bool, consume: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        values, writable = softmax_into(logits, consume)
-        dirty = writable and values is logits
-        # Read before the softmax may overwrite the logits.
-        gold = values.gather(-1, labels[:, None]).squeeze(-1)
-        probs, lse, predicted = softmax_lse_argmax(values, in_place=writable)
+        probs, nll, predicted = softmax_cross_entropy(ctx, logits, labels, consume)
         ctx.save_for_backward(probs, labels)
         ctx.dtype, ctx.single_backward = logits.dtype, single_backward
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(predicted)
-        if dirty:
-            ctx.mark_dirty(logits)
-        else:
-            ctx.mark_non_differentiable(probs)
         # The softmax is returned (and dropped by the caller) because autograd needs a dirty input back.
-        return lse - gold, predicted, probs
+        return nll, predicted, probs
 
     @staticmethod
     @once_differentiable

@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 
 # Reused, not copied: DSpark's position decay and epsilon are DFlash's (exp(-k / gamma), 1e-6).
 from lightning_drafts.blockdraft.objective import LOSS_EPS, decay_weights
-from lightning_drafts.core.gold_nll import softmax_into, softmax_lse_argmax
+from lightning_drafts.core.gold_nll import softmax_cross_entropy, softmax_into
 from lightning_drafts.core.row_blocks import row_blocks
 
 __all__ = [
@@ -91,7 +91,7 @@ class _DistributionTerms(torch.autograd.Function):
 
     ``d ce / d z = p - onehot(y)``, ``d l1 / d z = p * (s - <p, s>)``.
 
-    ``lse`` comes from the softmax itself (:func:`~lightning_drafts.core.gold_nll.softmax_lse_argmax`).
+    ``lse`` comes from the softmax itself (:func:`~lightning_drafts.core.gold_nll.softmax_cross_entropy`).
     Everything that reads the teacher runs a block of rows at a time
     (:func:`~lightning_drafts.core.row_blocks.row_blocks`): a slot's teacher row is gathered into a block,
     never into an ``[n, V]`` copy, and its sign is taken again in backward instead of saved. Saved are the
@@ -108,12 +108,7 @@ class _DistributionTerms(torch.autograd.Function):
         teacher_index: Tensor | None,
         consume: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        logits, writable = softmax_into(draft_logits, consume)
-        dirty = writable and logits is draft_logits
-        # Read before the softmax may overwrite the logits.
-        gold = logits.gather(-1, labels[:, None]).squeeze(-1)
-        probs, lse, predicted = softmax_lse_argmax(logits, in_place=writable)
-        ce = lse - gold
+        probs, ce, predicted = softmax_cross_entropy(ctx, draft_logits, labels, consume)
         # The teacher's logits are detached: writing into them needs no mark.
         teacher, writable = softmax_into(teacher_logits, consume)
         teacher = torch.softmax(teacher, dim=-1, out=teacher) if writable else torch.softmax(teacher, dim=-1)
@@ -126,12 +121,6 @@ class _DistributionTerms(torch.autograd.Function):
             torch.linalg.vector_norm(difference, ord=1, dim=-1, out=l1[block])
         ctx.save_for_backward(probs, teacher, teacher_index, labels)
         ctx.dtype, ctx.used = draft_logits.dtype, False
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(predicted)
-        if dirty:
-            ctx.mark_dirty(draft_logits)
-        else:
-            ctx.mark_non_differentiable(probs)
         # The softmax is returned (and dropped by the caller) because autograd needs a dirty input back.
         return ce, l1, predicted, probs
 
