@@ -102,20 +102,18 @@ def ttt_attention(
         return block
     # Grouped-query heads stay grouped: query head h reads key/value head h // groups (transformers'
     # repeat_kv order) by broadcasting over a group axis, so no repeated copy of a step's keys is made.
-    groups = query_groups(query, key)
-    grouped = query.float().unflatten(1, (key.shape[1], groups))
+    heads = (key.shape[1], query_groups(query, key))
+    grouped = query.float().unflatten(1, heads)
     # Scores stacked on a leading axis and the values weighted one step at a time: stacking the values on
     # a trailing axis of size k copied every one of them at every step (and kept the copy for backward).
     diagonal = torch.stack([(grouped * k.float()[:, :, None]).sum(-1).flatten(1, 2) for k in cache.keys[1:]])
     diagonal = diagonal * scale
     total = torch.logaddexp(block_lse, torch.logsumexp(diagonal, dim=0))
-    out = (torch.exp(block_lse - total)[..., None].to(block.dtype) * block).unflatten(
-        1, (key.shape[1], groups)
-    )
+    out = (torch.exp(block_lse - total)[..., None].to(block.dtype) * block).unflatten(1, heads)
     for weight, diagonal_value in zip(
         torch.exp(diagonal - total).to(value.dtype), cache.values[1:], strict=True
     ):
-        out = out + weight.unflatten(1, (key.shape[1], groups))[..., None] * diagonal_value[:, :, None]
+        out = out + weight.unflatten(1, heads)[..., None] * diagonal_value[:, :, None]
     return out.flatten(1, 2)
 
 

@@ -187,8 +187,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "ttt-diagonal-reads-key-heads-in-repeat-order",
         "lightning_drafts/eagle3/ttt.py",
-        "grouped = query.float().unflatten(1, (key.shape[1], groups))",
-        "grouped = query.float().unflatten(1, (groups, key.shape[1])).transpose(1, 2)",
+        "grouped = query.float().unflatten(1, heads)",
+        "grouped = query.float().unflatten(1, heads[::-1]).transpose(1, 2)",
         ("tests/families/eagle3/test_eagle3.py::test_ttt_attention_equals_explicit_concatenated_keys",),
         "EAGLE-3's TTT diagonal pairs query head h with key head h % kv_heads instead of h // groups",
     ),
