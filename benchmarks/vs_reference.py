@@ -24,6 +24,11 @@ and from run to run, so the ratio of user-mode time alone is printed beside it, 
 faults per epoch (how many is the code's doing; what each costs is the machine's). Before timing, the first
 micro-batch of each layout is stepped once by both from the same weights and the two losses printed: equal
 losses are what proves equal work.
+How many of those faults there are, and the user-mode time they cost through cache misses, depend on glibc's
+malloc state too: with its defaults every tensor above its mmap threshold (which moves with what the process
+freed before) is fresh pages, and a run of one draft differs from the same draft after others. The header
+names the allocator settings (``GLIBC_TUNABLES``); with ``glibc.malloc.mmap_max=0`` and a large
+``glibc.malloc.trim_threshold`` both sides reuse their heap and neither faults after its first epoch.
 Saved activations (autograd's saved tensors, parameters excluded) are compared per real token.
 
 MLA-EAGLE-3 runs on a DeepSeek-V3-shaped target of the same width (MLA attention, one dense layer then
@@ -187,6 +192,18 @@ def throughput_anchors(
         layout: throughput.layout_anchors(offsets, plans[layout], documents.lengths, torch.device("cpu"))
         for layout in LAYOUTS
     }
+
+
+def allocator_line() -> str:
+    """How glibc's malloc ran (``GLIBC_TUNABLES``): it moves both the page-fault count and, through the cache
+    misses on fresh pages, user-mode time, so a result names it."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if not tunables:
+        return (
+            "Allocator: glibc's defaults (tensors above its mmap threshold are fresh pages at every "
+            "allocation)."
+        )
+    return f"Allocator: GLIBC_TUNABLES={tunables}."
 
 
 def trainable(module: torch.nn.Module) -> list[Tensor]:
@@ -366,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"torch {torch.__version__}, CPU, 1 thread, float32; NeMo Automodel 0.7.0; load average (1/5/15 min) "
         f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start.",
+        allocator_line(),
         f"Documents: {len(documents)} of the embedded corpus (seed {args.seed}), {documents.num_tokens:,} tokens, "
         f"truncated to {args.max_tokens}; micro-batch {args.micro_batch} rows of {args.max_tokens} (packed) / "
         f"{args.micro_batch} documents (padded); {args.repeats} interleaved (ours, NeMo) epochs per layout.",
