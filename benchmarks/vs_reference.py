@@ -53,14 +53,16 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-
-# Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
-import throughput
 import torch
 from torch import Tensor
 
+# The tree this file is in comes first on the path, before anything imports the package (the throughput
+# benchmark does): its package and its oracle are the ones measured, whatever tree is installed.
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
+import throughput  # noqa: E402
 
 from lightning_drafts import DraftModule, MLAEagle3Module  # noqa: E402
 from lightning_drafts.core.batch import validate_batch  # noqa: E402
@@ -195,8 +197,7 @@ def throughput_anchors(
 
 
 def allocator_line() -> str:
-    """How glibc's malloc ran (``GLIBC_TUNABLES``): it moves both the page-fault count and, through the cache
-    misses on fresh pages, user-mode time, so a result names it."""
+    """The header line naming glibc's malloc settings (why they matter: the module docstring)."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if not tunables:
         return (
