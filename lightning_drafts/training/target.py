@@ -6,7 +6,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +141,8 @@ class FrozenTarget(nn.Module):
             a ``PreTrainedModel``.
         attn_backend: ``"auto"`` (flash-attn varlen on CUDA if installed, else flex on CUDA, else SDPA),
             or one of ``"sdpa"``, ``"eager"``, ``"flex"``, ``"flash"``. Resolved on the first forward,
-            once the device is known; an unavailable explicit choice raises.
+            once the device is known; an unavailable explicit choice raises. ``"flex"`` on the CPU runs
+            uncompiled (exact, forward only, scores of a whole row at once).
         dtype: parameter dtype (``None`` keeps the model's / checkpoint's).
         seed: the seed of random weights built from a config dict.
         decoder: keep the decoder layers. ``False``: a checkpoint is loaded without them (never read from
@@ -325,11 +326,12 @@ class FrozenTarget(nn.Module):
                 elif self._per_document(backend, packed.input_ids.device):
                     last_hidden = self._forward_documents(packed, captured)
                 else:
-                    last_hidden = self._decoder(
-                        input_ids=packed.input_ids,
-                        position_ids=packed.position_ids,
-                        attention_mask=self._document_mask(packed, backend),
-                    )
+                    with _compile_stance(backend, packed.input_ids.device):
+                        last_hidden = self._decoder(
+                            input_ids=packed.input_ids,
+                            position_ids=packed.position_ids,
+                            attention_mask=self._document_mask(packed, backend),
+                        )
         finally:
             for hook in hooks:
                 hook.remove()
@@ -527,6 +529,16 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
     finally:
         for module, mode in modes:
             module.training = mode
+
+
+def _compile_stance(backend: str, device: torch.device) -> Any:
+    """transformers compiles ``flex_attention`` itself; on the CPU that is inductor's flex kernel, which in
+    torch 2.13 returned wrong values and NaN at some row widths (8, 24, 88 and 120 tokens at head size 16)
+    on an AVX2 machine, where the eager flex forward is exact. A frozen target needs the forward alone,
+    so on the CPU its flex attention runs eager; elsewhere the compiled kernel runs."""
+    if backend == "flex" and device.type == "cpu":
+        return torch.compiler.set_stance("force_eager")
+    return nullcontext()
 
 
 def _capture_into(store: dict[int, Tensor], layer_id: int):

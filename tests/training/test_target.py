@@ -63,6 +63,16 @@ def test_packed_row_equals_padded_rows(target_config, backend):
         )
 
 
+def test_the_cpu_flex_target_compiles_nothing():
+    """transformers compiles flex itself, and torch 2.13's CPU flex kernel miscomputed small rows on an AVX2
+    machine (the test above failed there with NaN): on the CPU the target's flex forward runs eager, so no
+    compile happens (a compile under this stance raises)."""
+    target = FrozenTarget(TINY_TARGETS["llama"], attn_backend="flex")
+    torch._dynamo.reset()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run(target, packed_row(random_docs([6, 4, 9], seed=1), 24))
+
+
 def test_captured_layers_are_hf_layer_outputs(target_config):
     target = FrozenTarget(target_config, attn_backend="sdpa")
     ids = random_docs([10], seed=2)[0][None]
