@@ -63,6 +63,17 @@ def test_packed_row_equals_padded_rows(target_config, backend):
         )
 
 
+def test_the_flex_target_equals_the_sdpa_target(target_config):
+    """Flex (a mask_mod over the packed row) against SDPA's per-document causal kernel: two mechanisms, one
+    answer, so a flex mask or kernel that packed == padded cannot see (both layouts share it) shows here."""
+    batch = packed_row(random_docs([6, 4, 9], seed=1), 24)
+    flex_hidden, flex_logits = run(FrozenTarget(target_config, attn_backend="flex"), batch)
+    sdpa_hidden, sdpa_logits = run(FrozenTarget(target_config, attn_backend="sdpa"), batch)
+    for flex, sdpa in zip(flex_hidden, sdpa_hidden, strict=True):
+        torch.testing.assert_close(flex[0, :19], sdpa[0, :19], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(flex_logits[0, :19], sdpa_logits[0, :19], atol=2e-5, rtol=1e-4)
+
+
 def test_the_cpu_flex_target_compiles_nothing():
     """transformers compiles flex itself, and torch 2.13's CPU flex kernel miscomputed small rows on an AVX2
     machine (the test above failed there with NaN): on the CPU the target's flex forward runs eager, so no
