@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
+import types
+import warnings
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -37,9 +39,29 @@ BACKENDS = ("sdpa", "eager", "flex", "flash")
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+@functools.cache
+def flash_attn_problem() -> str | None:
+    """Why flash-attn cannot run in this process, or None when it can. Its varlen function is imported (once,
+    on the first call, never at module import): that loads the compiled extension, and a wheel built for
+    another torch or CUDA fails there (an undefined symbol), not at ``find_spec``."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception as error:  # ImportError / OSError of the extension, or anything its import raises
+        return (
+            f"flash-attn is installed but does not load with torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}): {type(error).__name__}: {error}; build it against this torch "
+            "(pip install flash-attn --no-build-isolation) or install a wheel made for it"
+        )
+    return None
+
+
 def flash_attn_available() -> bool:
-    """flash-attn is importable and a CUDA device exists (the package itself is never imported here)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    """flash-attn loads and a CUDA device exists (:func:`flash_attn_problem` says why not)."""
+    return flash_attn_problem() is None
 
 
 def resolve_backend(requested: str, device: torch.device | str) -> str:
@@ -47,16 +69,22 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     if requested == "auto":
-        if on_cuda and flash_attn_available():
+        if not on_cuda:
+            return "sdpa"
+        problem = flash_attn_problem()
+        if problem is None:
             return "flash"
-        return "flex" if on_cuda else "sdpa"
+        if importlib.util.find_spec("flash_attn") is not None:
+            # Installed but unusable: say so once rather than pass it over in silence.
+            warnings.warn(f"attention backend auto: not flash-attn ({problem}); using flex", stacklevel=2)
+        return "flex"
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is unknown; choose one of {('auto', *BACKENDS)}")
     if requested == "flash" and not (on_cuda and flash_attn_available()):
+        problem = flash_attn_problem() if on_cuda else f"the device is {device}"
         raise ValueError(
-            f"attention backend 'flash' needs flash-attn on a CUDA device, but the device is {device} and "
-            f"flash-attn importable = {importlib.util.find_spec('flash_attn') is not None}; install the "
-            "'flash' extra on a GPU machine or choose 'sdpa' / 'flex'"
+            f"attention backend 'flash' needs flash-attn on a CUDA device, but {problem}; install it on a GPU "
+            "machine (docs/guides/gpu.md) or choose 'sdpa' / 'flex'"
         )
     return requested
 
@@ -89,12 +117,14 @@ def document_causal_mask_mod(doc_ids: Tensor) -> MaskMod:
 def block_mask_from_mask_mod(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):
     """A sparse flex ``BlockMask`` (built once per batch, shared by every layer and step)."""
     # Eager creation evaluates the mask_mod densely over Q x KV; compiled, it never materialises it.
-    create = _compiled_create_block_mask() if torch.device(device).type == "cuda" else _create_block_mask
-    return create(mask_mod, batch, q_len, kv_len, device)
-
-
-def _create_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):
-    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+    if compiles_on(device):
+        create = compiled_create_block_mask(mask_kind(mask_mod))
+    else:
+        create = _create_block_mask
+    # A mask is integers: built without grad whoever asks (the target under no_grad, a draft under grad), so
+    # grad mode is never one more compiled variant.
+    with torch.no_grad():
+        return create(mask_mod, batch, q_len, kv_len, device)
 
 
 def mask_for_queries(mask: Tensor | TiledMask | object, queries: Tensor) -> Tensor | TiledMask | object:
@@ -114,6 +144,8 @@ def mask_for_queries(mask: Tensor | TiledMask | object, queries: Tensor) -> Tens
         count = queries.shape[0]
         return (q_idx < count) & inner(b, h, queries[q_idx.clamp(max=count - 1)], kv_idx)
 
+    # A tensor of its own, not a view: dynamo guards a captured view's storage offset (a recompile per step).
+    queries = queries.clone()
     batch, _, _, kv_len = mask.shape
     return block_mask_from_mask_mod(mask_mod, batch, int(queries.numel()), kv_len, queries.device)
 
@@ -151,7 +183,8 @@ def attention_with_lse(
         probs = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
         probs = probs.nan_to_num(0.0)
         return torch.matmul(probs.to(value.dtype), value), lse
-    return _flex_with_lse(flex_attention_for(query.device, with_lse=True), query, key, value, mask, scale)
+    flex = flex_attention_for(query.device, with_lse=True, kind=mask_kind(mask.mask_mod))
+    return _flex_with_lse(flex, query, key, value, mask, scale)
 
 
 def masked_attention(
@@ -165,7 +198,7 @@ def masked_attention(
     if isinstance(mask, Tensor):
         return attention_with_lse(query, key, value, mask, scale)[0]
     key, value = expand_kv_heads(query, key, value)
-    return flex_attention_for(query.device)(query, key, value, mask, scale)
+    return flex_attention_for(query.device, kind=mask_kind(mask.mask_mod))(query, key, value, mask, scale)
 
 
 def one_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -181,12 +214,15 @@ def one_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-def flex_attention_for(device: torch.device, with_lse: bool = False) -> Callable[..., Any]:
+def flex_attention_for(
+    device: torch.device, with_lse: bool = False, kind: Hashable = None
+) -> Callable[..., Any]:
     """The drafts' flex attention ``(query, key, value, block_mask, scale) -> out`` (``(out, lse)`` with
-    ``with_lse``): compiled once per process on CUDA (eager flex is a slow reference there), the eager
-    function elsewhere (CPU flex has no backward)."""
-    if device.type == "cuda":
-        return compiled_flex_attention(with_lse)
+    ``with_lse``): on CUDA compiled once per process and mask ``kind`` (:func:`mask_kind` of the block
+    mask's ``mask_mod``; eager flex is a slow reference there), the eager function elsewhere (CPU flex has
+    no backward)."""
+    if compiles_on(device):
+        return compiled_flex_attention(with_lse, kind)
     return _flex_lse if with_lse else _flex
 
 
@@ -197,12 +233,6 @@ def _flex_with_lse(
     return out, lse.float()
 
 
-# Separate entry points, each its own function, because dynamo keeps one cache per code object and
-# stops compiling a function after `torch.compiler.config.recompile_limit` (8) variants, running it
-# unfused (the full score matrix) from then on, silently. transformers compiles `flex_attention` itself
-# for the target's layers; were the drafts to compile that same function, the target's variants and
-# every draft's (head counts, head dims, with and without the log-sum-exp, batch shapes) would share one
-# cache and exhaust it.
 def _flex(query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float) -> Tensor:
     return flex_attention(query, key, value, block_mask=block_mask, scale=scale)
 
@@ -216,21 +246,78 @@ def _flex_lse(
     return out, aux.lse
 
 
+def _create_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+
+# Dynamo keeps one cache per code object and stops compiling a function after
+# `torch._dynamo.config.recompile_limit` (8) variants, running it unfused (flex: the full score matrix) from
+# then on, silently. Every mask kind (its mask_mod's code) is a guard of its own, and so are grad mode, a
+# captured None, batch sizes 0 / 1 and, for flex, autocast: one code object shared by every kind of the
+# target and of every draft passed 8 within one train + validation cycle. So each mask kind gets entry points
+# of its own (a copy of the function with its own code object, hence its own cache and limit), compiled with
+# symbolic sizes from the first call, and mask creation runs without grad. transformers compiles
+# `flex_attention` itself for the target's layers, a cache apart from all of these.
+ENTRY_POINTS: dict[str, Callable[..., Any]] = {}
+# The compiler of every entry point (a test counts variants on a CPU with dynamo's CompileCounter instead).
+COMPILER: Any = "inductor"
+
+
+def compiles_on(device: torch.device | str) -> bool:
+    """Whether the drafts' flex attention and every flex mask creation are compiled on ``device``: on CUDA
+    only (CPU flex has no backward, and compiling costs seconds there)."""
+    return torch.device(device).type == "cuda"
+
+
+def mask_kind(mask_mod: MaskMod) -> Hashable:
+    """What makes two ``mask_mod`` s different compiled programs: the function's code and, for what it
+    closes over, the kind of every mask it wraps (:func:`mask_for_queries`) and which values are None (the
+    block mask's optional window). Tensors and sizes are inputs, not kinds."""
+    closed_over = []
+    for cell in mask_mod.__closure__ or ():
+        value = cell.cell_contents
+        closed_over.append(mask_kind(value) if hasattr(value, "__code__") else value is None)
+    return mask_mod.__code__, tuple(closed_over)
+
+
+def _own_entry(function: Callable[..., Any], kind: Hashable) -> Callable[..., Any]:
+    """``function`` with a code object of its own for ``kind``: dynamo's cache and recompile limit apart."""
+    name = f"{function.__name__}_kind{len(ENTRY_POINTS)}"
+    code = function.__code__.replace(co_name=name)
+    entry = types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+    ENTRY_POINTS[name] = entry
+    return entry
+
+
 @functools.cache
-def compiled_flex_attention(with_lse: bool = False) -> Callable[..., Any]:
-    """The compiled draft entry point (:func:`_flex` or :func:`_flex_lse`), created once per process.
-
-    Shapes change every batch (block drafts: M * block_size queries; EAGLE-3: the live slots); the default
-    automatic-dynamic policy recompiles once with symbolic shapes instead of once per shape."""
-    return torch.compile(_flex_lse if with_lse else _flex)
+def compiled_flex_attention(with_lse: bool = False, kind: Hashable = None) -> Callable[..., Any]:
+    """The compiled draft entry point (:func:`_flex` or :func:`_flex_lse`) of one mask ``kind``, created once
+    per process. Shapes change every batch (block drafts: M * block_size queries; EAGLE-3: the live slots):
+    sizes are symbolic from the first call."""
+    return torch.compile(_own_entry(_flex_lse if with_lse else _flex, kind), dynamic=True, backend=COMPILER)
 
 
 @functools.cache
-def _compiled_create_block_mask() -> Callable[..., Any]:
-    # `create_block_mask(_compile=True)` is deprecated (a fresh compile wrapper per call); one compiled
-    # entry point of our own instead. Symbolic sizes from the first call: its cache then holds about one
-    # variant per mask_mod kind (document-causal, EAGLE-3's live subset, the block drafts', each window).
-    return torch.compile(_create_block_mask, dynamic=True)
+def compiled_create_block_mask(kind: Hashable = None) -> Callable[..., Any]:
+    """The compiled ``create_block_mask`` of one mask ``kind`` (``create_block_mask(_compile=True)`` is
+    deprecated: a fresh compile wrapper per call), created once per process, symbolic sizes."""
+    return torch.compile(_own_entry(_create_block_mask, kind), dynamic=True, backend=COMPILER)
+
+
+def reset_compiled_entries() -> None:
+    """Forget every compiled entry point and dynamo's caches (a fresh process's state)."""
+    torch._dynamo.reset()
+    compiled_flex_attention.cache_clear()
+    compiled_create_block_mask.cache_clear()
+    ENTRY_POINTS.clear()
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants held by each compiled attention entry point of this process (dynamo's cache entries
+    of its code object), for the fit's log: one that reaches ``recompile_limit`` runs eager from then on."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {name: len(_debug_get_cache_entry_list(entry.__code__)) for name, entry in ENTRY_POINTS.items()}
 
 
 def flash_varlen_attention(

@@ -86,6 +86,9 @@ def tile_subset_causal_mask(
 def subset_causal_mask_mod(starts: Tensor, slots: Tensor) -> MaskMod:
     """The flex ``mask_mod`` of :func:`subset_causal_mask` (batch 1, ``N`` queries, ``B * T`` keys)."""
     query_starts = starts[slots]
+    # A tensor of its own, not a view of the live-slot split: dynamo guards a captured view's storage offset,
+    # which moves from step to step (one compiled variant each).
+    slots = slots.clone()
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx >= query_starts[q_idx]) & (kv_idx <= slots[q_idx])

@@ -128,7 +128,10 @@ class DraftRotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """fp32 ``cos`` / ``sin`` of shape ``[*positions.shape, head_dim]``."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()
+        if self.inv_freq.dtype != torch.float32:
+            # FSDP1's mixed precision casts buffers in place (``buffer.data = ...``), past ``_apply``.
+            self.inv_freq = self.reference_inv_freq.to(self.inv_freq.device)
+        freqs = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([freqs, freqs], dim=-1)
         return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
@@ -159,10 +162,12 @@ def _with_earlier_slots(needed: Tensor, reach: int) -> Tensor:
 
 def _spread(rows: Tensor, index: Tensor | None, like: Tensor) -> Tensor:
     """``rows [n, H]`` at the flat slots ``index`` of a zero tensor shaped ``like [M, bs, H]`` (differentiable);
-    ``rows`` as ``like``'s shape when ``index`` is None (every slot)."""
+    ``rows`` as ``like``'s shape when ``index`` is None (every slot). In ``rows``' dtype either way: under
+    autocast the attention and MLP outputs are bf16 while ``like`` (a float32 norm's output) is not."""
     if index is None:
         return rows.view_as(like)
-    return like.new_zeros(like.shape).flatten(0, 1).index_copy(0, index, rows).view_as(like)
+    flat = rows.new_zeros(like.shape[0] * like.shape[1], rows.shape[-1])
+    return flat.index_copy(0, index, rows).view_as(like)
 
 
 class BlockAttention(nn.Module):

@@ -40,7 +40,10 @@ class FrequencyTable(nn.Module):
 
     def angles(self, positions: Tensor) -> Tensor:
         """``[B, T, dim / 2]`` fp32 rotation angles for integer ``positions`` ``[B, T]``."""
-        return positions[..., None].float() * self.inv_freq.float()
+        if self.inv_freq.dtype != torch.float32:
+            # FSDP1's mixed precision casts buffers in place (``buffer.data = ...``), past ``_apply``.
+            self.inv_freq = self._master.to(device=self.inv_freq.device)
+        return positions[..., None].float() * self.inv_freq
 
 
 def rotate_half_rope(x: Tensor, angles: Tensor, attention_scaling: float = 1.0) -> Tensor:

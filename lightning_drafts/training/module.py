@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from lightning_drafts.attention.backends import compiled_variants
 from lightning_drafts.core.batch import PackedBatch, validate_batch
 from lightning_drafts.core.checks import check_number
 from lightning_drafts.core.draft_output import DraftOutput
@@ -412,6 +413,18 @@ class DraftModule(L.LightningModule):
             self.remote_target = None
 
     # --- Lightning hooks -----------------------------------------------------------------------
+
+    def on_fit_end(self) -> None:
+        # Once per fit, so a compiled entry point that ran out of variants (and ran unfused flex from then on,
+        # a dense score matrix) is seen in the log rather than only in a slower step or an OOM.
+        variants = compiled_variants()
+        if variants:
+            limit = torch._dynamo.config.recompile_limit
+            spent = sorted(name for name, count in variants.items() if count >= limit)
+            rank_zero_info(
+                f"compiled attention variants per entry point (dynamo's limit {limit}): {variants}"
+                + (f"; {spent} reached it and ran uncompiled past it" if spent else "")
+            )
 
     def on_fit_start(self) -> None:
         self._check_target_dtype()

@@ -161,11 +161,13 @@ class FrozenTarget(nn.Module):
     ) -> None:
         super().__init__()
         self.model = build_causal_lm(model, dtype=dtype, seed=seed, decoder=decoder)
-        # Taken before any cast: the float32 rope tables every later cast is undone to.
+        # Taken before any cast: the float32 rope tables and the tensors transformers keeps float32 (a MoE
+        # router's weight and score bias), which every later cast is undone to.
         self._rope_tables = float32_rope_tables(self.model)
+        self._float32_kept = float32_kept_tensors(self.model)
         if dtype is not None:
             self.model.to(as_dtype(dtype))
-            self.keep_rope_tables_float32()
+            self.keep_float32_tensors()
         self.model.requires_grad_(False)
         if not decoder:
             self.release_decoder()
@@ -184,12 +186,15 @@ class FrozenTarget(nn.Module):
         # Every cast of the module tree (``.to(dtype)``, ``.bfloat16()``, a ``*-true`` precision's
         # ``convert_module``) reaches the rope tables through here.
         super()._apply(fn, recurse)
-        self.keep_rope_tables_float32()
+        self.keep_float32_tensors()
         return self
 
-    def keep_rope_tables_float32(self) -> None:
+    def keep_float32_tensors(self) -> None:
         """Give the rotary embeddings back their float32 ``inv_freq`` / ``original_inv_freq`` where a cast
-        lowered them (on the device they are on). ``from_pretrained(dtype=bfloat16)`` keeps them float32 and
+        lowered them (on the device they are on), and the tensors transformers keeps float32 whatever the load
+        dtype (``_keep_in_fp32_modules(_strict)``: DeepSeek-V3's router ``gate.weight`` and
+        ``e_score_correction_bias``; a bf16-rounded router picks other experts than the served target at
+        near-ties). ``from_pretrained(dtype=bfloat16)`` keeps them float32 and
         vLLM serves with float32 rope tables: rounded to bf16 (relative error ~4e-3), the angle at position
         4095 is off by up to ~0.7 rad and the teacher's features drift from the served target's. Also run
         before every forward, for casts that bypass ``Module._apply`` (FSDP1 casts buffers in place to its
@@ -199,6 +204,18 @@ class FrozenTarget(nn.Module):
             current = module._buffers[buffer_name]
             if current is not None and current.dtype != torch.float32:
                 module.register_buffer(buffer_name, table.to(current.device, copy=True), persistent=False)
+        for name, master in self._float32_kept.items():
+            module_name, _, attribute = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            current = getattr(module, attribute, None)
+            if current is None or current.dtype == torch.float32:
+                continue
+            if attribute in module._parameters:
+                # In place (the parameter object stays the one optimizers and strategies hold): frozen, no grad.
+                current.data = master.to(current.device, copy=True)
+            else:
+                persistent = attribute not in module._non_persistent_buffers_set
+                module.register_buffer(attribute, master.to(current.device, copy=True), persistent=persistent)
 
     def state_dict(
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
@@ -312,7 +329,7 @@ class FrozenTarget(nn.Module):
                 "(target_decoder=False); train from a features directory (features_dir) or keep target_decoder"
             )
         self._check_layer_ids(layer_ids)
-        self.keep_rope_tables_float32()
+        self.keep_float32_tensors()
         backend = self._select_backend(packed.input_ids.device)
         captured: dict[int, Tensor] = {}
         hooks = [
@@ -501,6 +518,24 @@ def float32_rope_tables(model: nn.Module) -> dict[tuple[str, str], Tensor]:
                 buffer = fresh._buffers[buffer_name]
             tables[(name, buffer_name)] = buffer.detach().float().clone().cpu()
     return tables
+
+
+def float32_kept_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """``name -> float32 copy`` of the parameters and buffers that ``model`` keeps float32 by its class's
+    ``_keep_in_fp32_modules_strict`` / ``_keep_in_fp32_modules`` (a pattern names a module path piece, as
+    transformers matches it). One that is not float32 now (a model handed over already cast, or built by a
+    transformers release that does not keep it) is kept from here on, at the value it has."""
+    patterns = [
+        *(getattr(model, "_keep_in_fp32_modules_strict", None) or ()),
+        *(getattr(model, "_keep_in_fp32_modules", None) or ()),
+    ]
+    if not patterns:
+        return {}
+    kept = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and any(f".{p}." in f".{name}." for p in patterns):
+            kept[name] = tensor.detach().float().cpu()
+    return kept
 
 
 def default_capture_layers(num_layers: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_drafts.attention import backends
 from lightning_drafts.attention.backends import (
     attention_with_lse,
     block_causal_mask,
@@ -75,3 +76,24 @@ def test_auto_backend_is_sdpa_on_cpu():
 def test_unavailable_or_unknown_backend_raises(requested, match):
     with pytest.raises(ValueError, match=match):
         resolve_backend(requested, "cpu")
+
+
+def test_auto_passes_over_a_flash_attn_that_does_not_load(tmp_path, monkeypatch):
+    """An installed flash-attn built for another torch fails when its extension loads, not at ``find_spec``:
+    ``auto`` must then say why and run flex on CUDA, and an explicit ``flash`` must be refused with that
+    reason, instead of both failing at the first forward."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backends.flash_attn_problem.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="undefined symbol"):
+            assert backends.resolve_backend("auto", "cuda") == "flex"
+        with pytest.raises(ValueError, match="does not load with torch"):
+            backends.resolve_backend("flash", "cuda")
+    finally:
+        backends.flash_attn_problem.cache_clear()

@@ -162,3 +162,20 @@ def test_the_last_layer_queries_and_feeds_only_the_slots_a_needed_state_depends_
             "last key": context + slots,
         }, name
         assert len(attend) < slots, name
+
+
+def test_a_subset_layers_output_keeps_the_kernels_dtype_under_autocast():
+    """Under bf16 autocast the attention and MLP outputs at the needed rows are bf16 while the layer's input
+    (a float32 norm's output) is not: the spread into every slot keeps the rows' dtype. A float32 zero
+    tensor there is refused by CUDA's ``index_copy`` (a bf16-mixed DFlash fit on CUDA stopped at its first
+    step), while the CPU kernel accepts it."""
+    from lightning_drafts.blockdraft.draft import _spread
+
+    like = torch.randn(3, 4, 8)
+    rows = torch.randn(5, 8).to(torch.bfloat16)
+    index = torch.tensor([0, 3, 5, 6, 11])
+    spread = _spread(rows, index, like)
+    assert spread.dtype == torch.bfloat16 and spread.shape == like.shape
+    expected = torch.zeros(12, 8, dtype=torch.bfloat16)
+    expected[index] = rows
+    assert torch.equal(spread.flatten(0, 1), expected)

@@ -94,3 +94,72 @@ def test_bf16_target_features_at_long_positions_are_those_of_float32_rope_tables
     # Features of ~2e-2 here; rounded tables move them by ~2e-4 (1%), a hundred times the tolerance above.
     drift = (features(rounded) - expected).abs().max()
     assert drift > 1e-5, drift
+
+
+def router_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors DeepSeek-V3's class declares float32 whatever the load dtype (its router weight and score
+    correction bias), read from transformers' own declaration."""
+    declared = type(model)._keep_in_fp32_modules_strict
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: tensor for name, tensor in named if any(name.endswith(f".{piece}") for piece in declared)}
+
+
+def test_the_moe_router_stays_float32_in_a_bf16_target():
+    """A bf16 DeepSeek-V3 target keeps the router transformers keeps float32 (``from_pretrained(dtype=bf16)``
+    and vLLM do): through the target's own cast and every later one, at the float32 build's exact values, so
+    expert choice at near-ties is the served target's."""
+    reference = router_tensors(FrozenTarget(TINY_TARGETS["deepseek_v3"], dtype="float32").model)
+    assert reference and {n.rsplit(".", 1)[-1] for n in reference} == {"weight", "e_score_correction_bias"}
+    casts = {
+        "built": lambda target: target,
+        "to(bfloat16)": lambda target: target.to(torch.bfloat16),
+        "bf16-true": lambda target: HalfPrecision("bf16-true").convert_module(target),
+    }
+    for name, cast in casts.items():
+        router = router_tensors(cast(FrozenTarget(TINY_TARGETS["deepseek_v3"], dtype="bfloat16")).model)
+        assert router.keys() == reference.keys(), name
+        for key, tensor in router.items():
+            assert tensor.dtype == torch.float32, (name, key)
+            assert torch.equal(tensor, reference[key]), (name, key)
+
+
+def draft_tables(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [buffer for name, buffer in module.draft.named_buffers() if name.endswith("inv_freq")]
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_the_drafts_rope_tables_undo_an_in_place_buffer_cast(family):
+    """FSDP1's ``bf16-mixed`` casts every buffer to bf16 with ``buffer.data = ...`` at its lazy init, past the
+    drafts' ``_apply``: the draft must still rotate with its float32 table (the one vLLM serves with), so its
+    loss equals that of a draft never cast, exactly (everything else is float32 here)."""
+    from lightning_drafts import DFlashModule, Eagle3Module
+    from tests.block_draft_cases import BLOCK, MASK_TOKEN, twins
+    from tests.eagle3_checks import frequencies
+
+    def build():
+        torch.manual_seed(0)
+        if family == "eagle3":
+            target = {**TINY_TARGETS["llama"], "max_position_embeddings": LONG}
+            module = Eagle3Module(target, ttt_length=2, draft_vocab_size=48, token_frequencies=frequencies())
+            return module, packed_row(random_docs([900, 40], seed=1), 940), None
+        target = {**TINY_TARGETS["qwen3"], "max_position_embeddings": LONG}
+        module = DFlashModule(target, mask_token_id=MASK_TOKEN, num_draft_layers=2, block_size=BLOCK)
+        batch = twins([[900, 40]], width=940)[0]
+        anchors = module.sample_anchors(validate_batch(batch), generator=torch.Generator().manual_seed(0))
+        return module, batch, anchors
+
+    def loss(module, batch, anchors):
+        with torch.no_grad():
+            output = (
+                module.compute_loss(batch) if anchors is None else module.compute_loss(batch, anchors=anchors)
+            )
+        return output.loss
+
+    module, batch, anchors = build()
+    reference = loss(module, batch, anchors)
+    cast, _, _ = build()
+    assert draft_tables(cast)
+    for buffer in draft_tables(cast):
+        buffer.data = buffer.to(torch.bfloat16)
+    assert torch.equal(loss(cast, batch, anchors), reference)
+    assert all(table.dtype == torch.float32 for table in draft_tables(cast))
