@@ -250,8 +250,11 @@ def check_rope_tables_stay_float32(run: Run) -> None:
         target = HalfPrecision("bf16-true").convert_module(target.to(run.device))
         tables = {n: b for n, b in target.model.named_buffers() if n.rsplit(".", 1)[-1] in ROPE_TABLES}
         assert tables, family
-        kept = {n: t for n, t in [*target.model.named_parameters(), *target.model.named_buffers()]}
-        kept = {n: t for n, t in kept.items() if "gate.weight" in n or "e_score_correction_bias" in n}
+        # What the transformers release in use declares float32 (5.25: DeepSeek-V3's router weight and score
+        # bias; 5.17: the bias only), read from the model class.
+        declared = type(target.model)._keep_in_fp32_modules_strict or ()
+        named = [*target.model.named_parameters(), *target.model.named_buffers()]
+        kept = {n: t for n, t in named if any(n.endswith(f".{piece}") for piece in declared)}
         assert bool(kept) == (family == "deepseek_v3"), (family, list(kept)[:3])
         wrong = {n: str(b.dtype) for n, b in {**tables, **kept}.items() if b.dtype != torch.float32}
         assert not wrong, f"{family}: {wrong}"
