@@ -41,7 +41,9 @@ class VLLMRunError(RuntimeError):
 @dataclass(frozen=True)
 class VLLMRequest:
     """What one vLLM engine serves: ``prompts`` (token ids) decoded greedily by ``target``, drafted by the
-    export in ``draft`` with vLLM's speculative ``method`` (``None`` draft: the target alone)."""
+    export in ``draft`` with vLLM's speculative ``method`` (``None`` draft: the target alone, unless
+    ``method`` is ``"ngram"``: vLLM's n-gram speculator). ``groups`` (lists of prompt indices) are generated
+    and timed one after another (default: all prompts at once)."""
 
     target: str
     prompts: Sequence[Sequence[int]]
@@ -53,6 +55,7 @@ class VLLMRequest:
     ignore_eos: bool = True
     dtype: str = "float32"
     max_model_len: int | None = None
+    groups: Sequence[Sequence[int]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The runner's request (field for field, the names its docstring lists)."""
@@ -60,6 +63,7 @@ class VLLMRequest:
             **asdict(self),
             "prompts": [[int(t) for t in p] for p in self.prompts],
             "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "groups": None if self.groups is None else [[int(i) for i in g] for g in self.groups],
         }
 
 
@@ -73,7 +77,8 @@ class VLLMResult:
         accepted_per_position: vLLM's ``spec_decode_num_accepted_tokens_per_pos`` counter.
         accepted, drafted: per prompt, each verify round's accepted / drafted count (vLLM's detailed
             per-request metrics).
-        seconds: ``engine_start`` and ``generate`` wall times inside the runner.
+        seconds: ``engine_start`` and ``generate`` wall times inside the runner, and ``groups``: each
+            group's generation.
     """
 
     vllm_version: str
@@ -82,7 +87,7 @@ class VLLMResult:
     accepted_per_position: list[int]
     accepted: list[list[int]] = field(default_factory=list)
     drafted: list[list[int]] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> VLLMResult:

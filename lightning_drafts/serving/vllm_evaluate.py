@@ -33,6 +33,9 @@ VLLM_DTYPES = {
     "fp16": "float16",
 }
 
+# What serves the prompts in a run of vLLM: the export, the target alone, or vLLM's n-gram speculator.
+VLLM_MODES = ("draft", "target", "ngram")
+
 
 def serve_with_vllm(
     family: DraftFamily,
@@ -47,6 +50,8 @@ def serve_with_vllm(
     dtype: str | None = None,
     python: str | Path | None = None,
     progress: bool = False,
+    mode: str = "draft",
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> VLLMResult:
     """Greedy speculative decoding of ``prompts`` by vLLM from the export in ``export_dir``: what vLLM
     generated, with its rounds (``as_generations()`` gives them as the built-in decode reports them).
@@ -58,8 +63,13 @@ def serve_with_vllm(
             engines stop on exactly the same tokens).
         dtype: the target dtype (``None``: float32).
         python: the vLLM environment's python (default: found as ``run_vllm`` finds it).
+        mode: ``"draft"`` (the export drafts), ``"target"`` (the target alone, no speculation) or
+            ``"ngram"`` (vLLM's n-gram speculator drafts ``num_steps`` tokens from the prompt).
+        groups: prompt indices generated and timed together (``VLLMRequest.groups``).
     """
-    method = family.vllm_method(architecture)
+    if mode not in VLLM_MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {VLLM_MODES}")
+    method = family.vllm_method(architecture) if mode == "draft" else "ngram" if mode == "ngram" else None
     if dtype not in VLLM_DTYPES:
         raise ValueError(
             f"target dtype {dtype!r} has no vLLM name; use one of {sorted(k for k in VLLM_DTYPES if k)}"
@@ -67,7 +77,7 @@ def serve_with_vllm(
     with tempfile.TemporaryDirectory(prefix="lightning-drafts-vllm-target-") as scratch:
         request = VLLMRequest(
             target=_loadable_target(target, frozen, Path(scratch)),
-            draft=str(export_dir),
+            draft=str(export_dir) if mode == "draft" else None,
             method=method,
             num_speculative_tokens=num_steps,
             prompts=[p.tolist() for p in prompts],
@@ -75,6 +85,7 @@ def serve_with_vllm(
             stop_token_ids=sorted(set(stop_token_ids)),
             ignore_eos=True,
             dtype=VLLM_DTYPES[dtype],
+            groups=groups,
         )
         return run_vllm(request, python=python, progress=progress)
 
