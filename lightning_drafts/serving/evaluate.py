@@ -297,30 +297,28 @@ def _serve_vllm(
     baseline: bool,
     ngram: bool,
 ) -> _Phase:
-    """One vLLM engine per mode (the export drafting; the target alone; the n-gram speculator), each
-    generating the prompts of one (prompt set, category) group at a time, timed per group."""
+    """One vLLM engine per mode (the export drafting; the target alone; the n-gram speculator), one after
+    another in one vLLM process, each generating the prompts of one (prompt set, category) group at a
+    time, timed per group."""
     keys = list(dict.fromkeys(r.group for r in requests))
     groups = [[i for i, r in enumerate(requests) if r.group == key] for key in keys]
     modes = ["draft"] + (["target"] if baseline else []) + (["ngram"] if ngram else [])
-    results = {
-        mode: serve_with_vllm(
-            family,
-            directory,
-            architecture,
-            target,
-            frozen,
-            prompts,
-            steps,
-            max_new_tokens,
-            stop,
-            dtype=dtype,
-            python=python,
-            progress=progress,
-            mode=mode,
-            groups=groups,
-        )
-        for mode in modes
-    }
+    results = serve_with_vllm(
+        family,
+        directory,
+        architecture,
+        target,
+        frozen,
+        prompts,
+        steps,
+        max_new_tokens,
+        stop,
+        dtype=dtype,
+        python=python,
+        progress=progress,
+        modes=modes,
+        groups=groups,
+    )
     seconds = {mode: dict(zip(keys, r.seconds["groups"], strict=True)) for mode, r in results.items()}
     info = results["draft"].engine_info()
     if "ngram" in results:
