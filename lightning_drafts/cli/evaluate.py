@@ -42,6 +42,7 @@ from lightning_drafts.workflows.evaluate import evaluate_export
 
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
 DEFAULT_VAL_FRACTION = 0.02
+DEFAULT_NUM_PROMPTS = 8
 
 
 def evaluate_main(args: list[str]) -> None:
@@ -147,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of --data-files held out for prompts (the quickstart's split by default)",
     )
     parser.add_argument("--cache-dir", default=None, help="tokenisation cache (default: the datasets cache)")
-    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help=f"prompts to serve (default: a prompt set's or chat file's every conversation, else "
+        f"{DEFAULT_NUM_PROMPTS})",
+    )
     parser.add_argument(
         "--max-prompt-tokens", type=positive_int, default=512, help="keep the last N prompt tokens"
     )
@@ -193,17 +200,18 @@ def _prompt_source(parsed: argparse.Namespace) -> str:
 
 def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor] | list[Conversation]:
     if parsed.prompts in PROMPT_SETS or (parsed.prompts and is_text_prompt_file(parsed.prompts)):
-        conversations = load_prompt_set(parsed.prompts, parsed.num_prompts)
+        conversations = load_prompt_set(parsed.prompts, parsed.num_prompts)  # None: the whole set
         announce(f"evaluate: {len(conversations)} conversations of {parsed.prompts}")
         return conversations
+    limit = parsed.num_prompts or DEFAULT_NUM_PROMPTS
     if parsed.prompts:
-        announce(f"evaluate: reading {parsed.num_prompts} prompts from {parsed.prompts}")
-        prompts = load_prompts_jsonl(parsed.prompts, parsed.num_prompts)
+        announce(f"evaluate: reading {limit} prompts from {parsed.prompts}")
+        prompts = load_prompts_jsonl(parsed.prompts, limit)
         return [p[-parsed.max_prompt_tokens :] for p in prompts]
     datamodule = _datamodule(config, parsed)
     source = parsed.data_files or (config.get("data") and parsed.config) or "the embedded corpus"
     announce(f"evaluate: tokenising the held-out prompts of {source}")
-    prompts = prompts_from_datamodule(datamodule, parsed.num_prompts, parsed.max_prompt_tokens)
+    prompts = prompts_from_datamodule(datamodule, limit, parsed.max_prompt_tokens)
     announce(f"evaluate: {len(prompts)} prompts")
     return prompts
 
