@@ -36,6 +36,7 @@ from lightning_drafts.serving.prompt_sets import (
     load_prompt_set,
 )
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
+from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export
@@ -73,6 +74,8 @@ def evaluate_main(args: list[str]) -> None:
         baseline=not parsed.no_baseline,
         ngram=parsed.engine == "vllm" and not parsed.no_ngram,
         max_prompt_tokens=parsed.max_prompt_tokens,
+        sampling=Sampling(parsed.temperature, parsed.top_p) if parsed.temperature > 0 else None,
+        seed=parsed.seed,
     )
     print(report.format_table())
     if parsed.no_card:
@@ -163,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-steps", type=positive_int, default=None, help="tokens drafted per round (family default)"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy; > 0: sample, with speculative sampling's acceptance rule (built-in engine)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
+    parser.add_argument("--seed", type=int, default=0, help="request i samples from seed + i")
     parser.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare")
     parser.add_argument("--no-training-estimate", action="store_true", help="skip tau_sim")
     parser.add_argument("--json", default=None, help="also write the full report here")

@@ -31,6 +31,7 @@ from lightning_drafts.serving.family import DraftFamily, Speculator
 from lightning_drafts.serving.progress import announce, map_with_progress
 from lightning_drafts.serving.prompt_sets import Conversation
 from lightning_drafts.serving.report import EvaluationReport, served_acceptance, training_estimate
+from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.served_table import ServedRequest, served_rows
 from lightning_drafts.serving.vllm_evaluate import serve_with_vllm
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
@@ -71,6 +72,8 @@ def evaluate_family_export(
     baseline: bool = False,
     ngram: bool = False,
     max_prompt_tokens: int | None = None,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> EvaluationReport:
     """Validate, load and serve ``family``'s export in ``export_dir`` on ``prompts``; report served vs
     training acceptance.
@@ -99,6 +102,9 @@ def evaluate_family_export(
             target's own answers).
         ngram: with ``engine="vllm"``, also serve the prompts with vLLM's n-gram speculator.
         max_prompt_tokens: keep the last tokens of each rendered conversation prompt.
+        sampling: sample (temperature, top-p) instead of greedy decoding, with speculative sampling's
+            acceptance rule (:mod:`lightning_drafts.serving.sampling`); the built-in engine only. Request
+            ``i`` of a turn draws from a generator seeded ``seed + i`` (with the draft and without alike).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is unknown; choose one of {ENGINES}")
@@ -106,6 +112,13 @@ def evaluate_family_export(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not prompts:
         raise ValueError("no prompts to evaluate on; pass at least one token-id prompt")
+    if sampling is not None and engine != "builtin":
+        raise ValueError("sampling runs in the built-in decode only; drop engine='vllm' or the sampling")
+    if sampling is not None and check_lossless:
+        raise ValueError(
+            "a sampled decode matches the target's distribution, not its tokens: drop check_lossless or the "
+            "sampling"
+        )
     if ngram and engine != "vllm":
         raise ValueError("ngram=True measures vLLM's n-gram speculator: it needs engine='vllm'")
     conversations = [p for p in prompts if isinstance(p, Conversation)]
@@ -146,7 +159,16 @@ def evaluate_family_export(
                 ngram,
             )
         return _serve_builtin(
-            frozen, speculator, phase_prompts, phase_requests, max_new_tokens, stop, baseline, progress
+            frozen,
+            speculator,
+            phase_prompts,
+            phase_requests,
+            max_new_tokens,
+            stop,
+            baseline,
+            progress,
+            sampling,
+            seed,
         )
 
     requests: list[ServedRequest] = []
@@ -232,6 +254,7 @@ def evaluate_family_export(
             steps,
         ),
         speed_engine=_speed_engine(engine, engine_info, frozen),
+        sampling=sampling,
     )
 
 
@@ -248,20 +271,27 @@ def _serve_builtin(
     stop: set[int],
     baseline: bool,
     progress: bool,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> _Phase:
-    """Each prompt decoded speculatively (and, with ``baseline``, by the target alone), one at a time, timed."""
+    """Each prompt decoded speculatively (and, with ``baseline``, by the target alone), one at a time, timed;
+    with ``sampling``, prompt ``i`` draws from a generator seeded ``seed + i``."""
     seconds: dict[str, dict[tuple[str, str], float]] = {"draft": {}}
+    device = frozen.lm_head.weight.device
 
-    def timed(mode: str, index: int, decode: Callable[[Tensor], Any]) -> Any:
+    def timed(mode: str, index: int, decode: Callable[[Tensor, torch.Generator | None], Any]) -> Any:
+        generator = None if sampling is None else torch.Generator(device).manual_seed(seed + index)
         start = time.perf_counter()
-        result = decode(prompts[index])
+        result = decode(prompts[index], generator)
         spent = seconds.setdefault(mode, {})
         spent[requests[index].group] = spent.get(requests[index].group, 0.0) + time.perf_counter() - start
         return result
 
     generations = map_with_progress(
         lambda i: timed(
-            "draft", i, lambda p: speculative_generate(frozen, speculator, p, max_new_tokens, stop)
+            "draft",
+            i,
+            lambda p, g: speculative_generate(frozen, speculator, p, max_new_tokens, stop, sampling, g),
         ),
         range(len(prompts)),
         "speculative decoding",
@@ -271,7 +301,9 @@ def _serve_builtin(
     outputs = {"draft": [g.tokens for g in generations]}
     if baseline:
         outputs["target"] = map_with_progress(
-            lambda i: timed("target", i, lambda p: greedy_generate(frozen, p, max_new_tokens, stop)),
+            lambda i: timed(
+                "target", i, lambda p, g: greedy_generate(frozen, p, max_new_tokens, stop, sampling, g)
+            ),
             range(len(prompts)),
             "target alone (no speculation)",
             len,

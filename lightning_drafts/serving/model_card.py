@@ -233,6 +233,7 @@ def results_section(report: EvaluationReport, prompts: str) -> str:
         ),
         ("verify rounds / generated tokens", f"{report.rounds:,} / {report.generated_tokens:,}"),
         ("engine", report.engine),
+        ("decoding", report.decoding()),
         ("prompts", f"{report.num_prompts} from {prompts}"),
         ("tokens drafted per round (`num_steps`)", report.num_steps),
         ("new tokens per prompt (`max_new_tokens`)", report.max_new_tokens),

@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_drafts.core.acceptance import AcceptanceStats
 from lightning_drafts.serving.decode import Generation
 from lightning_drafts.serving.export_files import ExportSummary
+from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.served_table import (
     PER_REQUEST,
     POOLED,
@@ -159,6 +160,7 @@ class EvaluationReport:
     accepted: list[list[int]] = field(default_factory=list)
     table: list[ServedRow] = field(default_factory=list)
     speed_engine: str = "the built-in decode"
+    sampling: Sampling | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +182,7 @@ class EvaluationReport:
         markdown = directory / "served.md"
         markdown.write_text(
             f"# Served results: {self.export_dir} ({self.architecture}), served by {self._engine_name()}, "
+            f"{self.decoding()}, "
             f"num_steps={self.num_steps}, max_new_tokens={self.max_new_tokens}\n\n{self.markdown()}\n"
         )
         return self.write_json(directory / "served.json"), markdown
@@ -190,7 +193,7 @@ class EvaluationReport:
         lines = [
             f"{self.export_dir} ({self.architecture}): {self.num_prompts} prompts, {self.generated_tokens} tokens, "
             f"{self.rounds} verify rounds, num_steps={self.num_steps}, layers {list(self.export.target_layer_ids)}, "
-            f"served by {self._engine_name()}",
+            f"served by {self._engine_name()}, {self.decoding()}",
             f"{'':22}{'served':>10}{'tau_sim (training)':>22}",
             f"{'accept_len pooled':22}{_number(self.served.accept_len):>10}"
             f"{_number(training.accept_len if training else None):>22}",
@@ -217,6 +220,12 @@ class EvaluationReport:
             )
             lines.append(f"lossless: {verdict}")
         return "\n".join(lines)
+
+    def decoding(self) -> str:
+        """Greedy, or the sampling settings."""
+        if self.sampling is None:
+            return "greedy"
+        return f"sampled at temperature {self.sampling.temperature}, top_p {self.sampling.top_p}"
 
     def _engine_name(self) -> str:
         if self.engine == "vllm":

@@ -261,6 +261,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "a later turn is asked without the target's own answer to the turn before",
     ),
     Mutant(
+        "speculative-sampling-redraws-the-rejected-token",
+        "lightning_drafts/serving/sampling.py",
+        "residual[token] = 0  # max(0, p - q) for q the point mass on the proposed token",
+        "residual[token] = residual[token]",
+        (
+            "tests/serving/test_speculative_sampling.py::"
+            "test_the_acceptance_rule_emits_each_token_with_its_target_probability",
+        ),
+        "a rejected proposal is drawn again from p instead of the residual: sampled output no longer follows the target",
+    ),
+    Mutant(
         "served-callback-logs-a-constant",
         "callbacks/served_acceptance.py",
         "return report.served.accept_len",

@@ -131,3 +131,45 @@ def test_cli_evaluate_mt_bench_writes_the_table_and_the_card(export, tmp_path, c
     assert "| served `accept_len`, per-request mean (SpecForge) |" in card
     assert "the shipped `mt-bench` set" in card
     assert torch.tensor(report["prompts"][2]).numel() > torch.tensor(report["prompts"][0]).numel()
+
+
+def test_cli_evaluate_samples_when_given_a_temperature(export, tmp_path, capsys):
+    def run(out: Path, *extra: str) -> dict:
+        main(
+            ["evaluate", str(export), f"--config={QUICKSTART}", "--prompts", "mt-bench", "--num-prompts", "1"]
+            + [
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0.7",
+                "--top-p",
+                "0.9",
+                "--no-card",
+                "--out",
+                str(out),
+            ]
+            + list(extra)
+        )
+        return json.loads((out / "served.json").read_text())
+
+    first, again = run(tmp_path / "a"), run(tmp_path / "b")
+    assert first["sampling"] == {"temperature": 0.7, "top_p": 0.9}
+    assert "sampled at temperature 0.7, top_p 0.9" in (tmp_path / "a" / "served.md").read_text()
+    assert first["generations"] == again["generations"]  # request i draws from seed + i
+    assert len(first["generations"]) == 2 and all(len(g) >= 1 for g in first["generations"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as failure:
+        main(
+            [
+                "evaluate",
+                str(export),
+                f"--config={QUICKSTART}",
+                "--prompts",
+                "mt-bench",
+                "--temperature",
+                "0.7",
+            ]
+            + ["--check-lossless", "--num-prompts", "1"]
+        )
+    assert failure.value.code == 2
+    assert "a sampled decode matches the target's distribution, not its tokens" in capsys.readouterr().err
