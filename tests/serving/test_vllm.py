@@ -4,8 +4,8 @@ every generated token equal (and equal to the target's greedy decode), the same 
 and the same accepted count at every drafted position.
 
 The vLLM environment comes from ``$LIGHTNING_DRAFTS_VLLM_PYTHON`` or is built by ``.ci/vllm-env``; if it
-cannot be had, these tests fail with the reason (they are never skipped). One vLLM engine starts per
-test (about 20 s on a 2-core CPU).
+cannot be had, these tests fail with the reason (they are never skipped). One vLLM process starts per
+test (about 20 s on a 2-core CPU; the prompt-set test runs three engines in it, about 45 s).
 """
 
 from __future__ import annotations
