@@ -5,8 +5,10 @@ Examples::
     lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --num-prompts 16
     lightning-drafts evaluate DIR --target meta-llama/Llama-3.1-8B-Instruct --prompts prompts.jsonl --json r.json
     lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --engine vllm
+    lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --prompts mt-bench --out r/
 
-Prompt sources, first match wins: ``--prompts`` (JSONL of token ids), ``--data-files`` (chat files,
+Prompt sources, first match wins: ``--prompts`` (a shipped prompt set by name, ``mt-bench`` or
+``humaneval``; a chat JSONL of user turns; or a JSONL of token ids), ``--data-files`` (chat files,
 tokenised by ``lightning_drafts.datamodules.PackedChatDataModule``), ``--config`` / ``--data-config`` (a ``fit`` config:
 its ``data`` section gives the same held-out split training validated on), else the embedded corpus with
 the quickstart split.
@@ -24,14 +26,24 @@ from lightning_drafts.cli.command_parser import CommandParser
 from lightning_drafts.cli.counts import positive_int
 from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
+from lightning_drafts.serving.export_files import read_export
 from lightning_drafts.serving.model_card import has_card, results_section, update_results
 from lightning_drafts.serving.progress import announce
+from lightning_drafts.serving.prompt_sets import (
+    PROMPT_SETS,
+    Conversation,
+    is_text_prompt_file,
+    load_prompt_set,
+)
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
+from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
+from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export
 
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
 DEFAULT_VAL_FRACTION = 0.02
+DEFAULT_NUM_PROMPTS = 8
 
 
 def evaluate_main(args: list[str]) -> None:
@@ -40,9 +52,11 @@ def evaluate_main(args: list[str]) -> None:
         raise SystemExit(f"{overrides[0]}: config overrides need --config")
     config = read_config_with_overrides(parsed.config, overrides) if parsed.config else {}
     target, seed = target_spec(parsed.target, config)
+    prompts = _prompts(parsed, config)
+    conversations = bool(prompts) and isinstance(prompts[0], Conversation)
     report = evaluate_export(
         parsed.export_dir,
-        _prompts(parsed, config),
+        prompts,
         target=target,
         max_new_tokens=parsed.max_new_tokens,
         num_steps=parsed.num_steps,
@@ -56,6 +70,12 @@ def evaluate_main(args: list[str]) -> None:
         engine=parsed.engine,
         vllm_python=parsed.vllm_python,
         progress=True,
+        tokenizer=_tokenizer(parsed, config, target) if conversations else None,
+        baseline=not parsed.no_baseline,
+        ngram=parsed.engine == "vllm" and not parsed.no_ngram,
+        max_prompt_tokens=parsed.max_prompt_tokens,
+        sampling=Sampling(parsed.temperature, parsed.top_p) if parsed.temperature > 0 else None,
+        seed=parsed.seed,
     )
     print(report.format_table())
     if parsed.no_card:
@@ -68,6 +88,8 @@ def evaluate_main(args: list[str]) -> None:
         )
     if parsed.json:
         print(f"wrote {report.write_json(parsed.json)}")
+    if parsed.out:
+        print("wrote {} and {}".format(*report.write_results(parsed.out)))
     if report.lossless is False:
         raise SystemExit("speculative decoding did not reproduce the target's greedy output (see the table)")
 
@@ -108,9 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"python of the vLLM environment (default: ${VLLM_PYTHON_ENV}, else .venv-vllm, built by .ci/vllm-env)",
     )
     parser.add_argument("--config", default=None, help="a `lightning-drafts fit` config: its target and data")
-    parser.add_argument("--prompts", default=None, help="JSONL of token-id prompts (see load_prompts_jsonl)")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help=f"a shipped prompt set ({', '.join(PROMPT_SETS)}: results per category), a chat JSONL (rows "
+        '{"turns": [user turns]} or {"messages": [...]}: later turns follow the target\'s own answers), or a '
+        "JSONL of token-id prompts (see load_prompts_jsonl)",
+    )
     parser.add_argument("--data-files", nargs="+", default=None, help="chat files for PackedChatDataModule")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer of --data-files (default: embedded)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer of --data-files (default: embedded) and of text --prompts (default: --config's data "
+        "tokenizer, else the target's)",
+    )
     parser.add_argument(
         "--val-fraction",
         type=float,
@@ -118,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of --data-files held out for prompts (the quickstart's split by default)",
     )
     parser.add_argument("--cache-dir", default=None, help="tokenisation cache (default: the datasets cache)")
-    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help=f"prompts to serve (default: a prompt set's or chat file's every conversation, else "
+        f"{DEFAULT_NUM_PROMPTS})",
+    )
     parser.add_argument(
         "--max-prompt-tokens", type=positive_int, default=512, help="keep the last N prompt tokens"
     )
@@ -127,9 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-steps", type=positive_int, default=None, help="tokens drafted per round (family default)"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy; > 0: sample, with speculative sampling's acceptance rule (built-in engine)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
+    parser.add_argument("--seed", type=int, default=0, help="request i samples from seed + i")
     parser.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare")
     parser.add_argument("--no-training-estimate", action="store_true", help="skip tau_sim")
     parser.add_argument("--json", default=None, help="also write the full report here")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write served.json (the report) and served.md (the table) into this folder",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip decoding with the target alone (no tokens/s without speculation; multi-turn sets need it)",
+    )
+    parser.add_argument(
+        "--no-ngram", action="store_true", help="with --engine vllm, skip vLLM's n-gram speculator"
+    )
     parser.add_argument(
         "--no-card", action="store_true", help="leave the export's README.md (its model card) as it is"
     )
@@ -138,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _prompt_source(parsed: argparse.Namespace) -> str:
     """Where the prompts came from, in the words of the model card (the first source that applies)."""
+    if parsed.prompts in PROMPT_SETS:
+        return f"the shipped `{parsed.prompts}` set"
     if parsed.prompts:
         return f"`{parsed.prompts}`"
     if parsed.data_files:
@@ -147,17 +209,44 @@ def _prompt_source(parsed: argparse.Namespace) -> str:
     return "the embedded corpus (the quickstart split)"
 
 
-def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]:
+def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor] | list[Conversation]:
+    if parsed.prompts in PROMPT_SETS or (parsed.prompts and is_text_prompt_file(parsed.prompts)):
+        conversations = load_prompt_set(parsed.prompts, parsed.num_prompts)  # None: the whole set
+        announce(f"evaluate: {len(conversations)} conversations of {parsed.prompts}")
+        return conversations
+    limit = parsed.num_prompts or DEFAULT_NUM_PROMPTS
     if parsed.prompts:
-        announce(f"evaluate: reading {parsed.num_prompts} prompts from {parsed.prompts}")
-        prompts = load_prompts_jsonl(parsed.prompts, parsed.num_prompts)
+        announce(f"evaluate: reading {limit} prompts from {parsed.prompts}")
+        prompts = load_prompts_jsonl(parsed.prompts, limit)
         return [p[-parsed.max_prompt_tokens :] for p in prompts]
     datamodule = _datamodule(config, parsed)
     source = parsed.data_files or (config.get("data") and parsed.config) or "the embedded corpus"
     announce(f"evaluate: tokenising the held-out prompts of {source}")
-    prompts = prompts_from_datamodule(datamodule, parsed.num_prompts, parsed.max_prompt_tokens)
+    prompts = prompts_from_datamodule(datamodule, limit, parsed.max_prompt_tokens)
     announce(f"evaluate: {len(prompts)} prompts")
     return prompts
+
+
+def _tokenizer(parsed: argparse.Namespace, config: dict[str, Any], target: Any) -> Any:
+    """The tokenizer that renders text prompts: ``--tokenizer``, the config's data tokenizer (with its chat
+    template), else the target's own (the target given, or the one the export records)."""
+    from transformers import AutoTokenizer
+
+    from lightning_drafts.datamodules.templates import resolve_chat_template
+
+    data = dict(((config.get("data") or {}).get("init_args")) or {})
+    spec = parsed.tokenizer or data.get("tokenizer") or target
+    if spec is None:
+        spec = (read_export(parsed.export_dir).config.get("lightning_drafts") or {}).get("target")
+    if not isinstance(spec, str):
+        raise ValueError(
+            "text prompts need a tokenizer with a chat template and the target is not a hub id or path; "
+            "pass --tokenizer"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(resolve_shipped(spec))
+    template = data.get("chat_template") if parsed.tokenizer is None else None
+    tokenizer.chat_template = resolve_chat_template(template, tokenizer)
+    return tokenizer
 
 
 def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None) -> Any:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.serving.family import Speculator, VerifiedPrefix
+from lightning_drafts.serving.sampling import Sampling, draw, verify_sampled
 from lightning_drafts.training.target import FrozenTarget
 
 
@@ -59,14 +60,21 @@ def _run_target(target: FrozenTarget, tokens: Tensor, layer_ids: Sequence[int]) 
 
 @torch.no_grad()
 def greedy_generate(
-    target: FrozenTarget, prompt: Tensor, max_new_tokens: int, stop_token_ids: Iterable[int] = ()
+    target: FrozenTarget,
+    prompt: Tensor,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[int]:
-    """The target's own greedy continuation of ``prompt`` (the reference a lossless decode must equal)."""
+    """The target's own greedy continuation of ``prompt`` (the reference a lossless decode must equal), or
+    with ``sampling`` its sampled one (drawn with ``generator``)."""
     stop = set(stop_token_ids)
     tokens = as_prompt(prompt, target)
     generated: list[int] = []
     while len(generated) < max_new_tokens:
-        token = int(_run_target(target, tokens, ()).greedy[-1])
+        run = _run_target(target, tokens, ())
+        token = int(run.greedy[-1]) if sampling is None else _sample_last(target, run, sampling, generator)
         generated.append(token)
         tokens = torch.cat([tokens, tokens.new_tensor([token])])
         if token in stop:
@@ -81,13 +89,19 @@ def speculative_generate(
     prompt: Tensor,
     max_new_tokens: int,
     stop_token_ids: Iterable[int] = (),
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> Generation:
-    """Greedy speculative decoding of ``prompt``: lossless by construction (see the module docstring)."""
+    """Greedy speculative decoding of ``prompt``: lossless by construction (see the module docstring).
+    With ``sampling``, speculative sampling (:mod:`lightning_drafts.serving.sampling`): every emitted token
+    is distributed as the target's own sampling would draw it."""
     stop = set(stop_token_ids)
     layer_ids = tuple(speculator.target_layer_ids)
     tokens = as_prompt(prompt, target)
     prefill = _run_target(target, tokens, layer_ids)
-    first = int(prefill.greedy[-1])
+    first = (
+        int(prefill.greedy[-1]) if sampling is None else _sample_last(target, prefill, sampling, generator)
+    )
     generated, accepted, proposed = [first], [], []
     features, last_hidden = prefill.hidden_states, prefill.last_hidden_state
     tokens = torch.cat([tokens, tokens.new_tensor([first])])
@@ -95,11 +109,16 @@ def speculative_generate(
         prefix = VerifiedPrefix(tokens, features, last_hidden, target)
         proposal = _checked_proposal(speculator, speculator.propose(prefix), target.vocab_size, tokens.device)
         verified = _run_target(target, torch.cat([tokens, proposal]), layer_ids)
-        # verified.greedy[L - 1 + j] is the target's token at position L + j, i.e. its check of proposal[j].
-        check = verified.greedy[tokens.numel() - 1 :]
-        matches = (proposal == check[: proposal.numel()]).long().cumprod(0)
-        count = int(matches.sum())
-        emitted = torch.cat([proposal[:count], check[count : count + 1]])
+        if sampling is None:
+            # verified.greedy[L - 1 + j] is the target's token at position L + j: its check of proposal[j].
+            check = verified.greedy[tokens.numel() - 1 :]
+            matches = (proposal == check[: proposal.numel()]).long().cumprod(0)
+            count = int(matches.sum())
+            emitted = torch.cat([proposal[:count], check[count : count + 1]])
+        else:
+            probs = sampling.probabilities(target.logits(verified.last_hidden_state[tokens.numel() - 1 :]))
+            count, chosen = verify_sampled(probs, proposal, generator)
+            emitted = tokens.new_tensor(chosen)
         accepted.append(count)
         proposed.append(int(proposal.numel()))
         generated.extend(int(t) for t in emitted)
@@ -109,6 +128,12 @@ def speculative_generate(
         features = tuple(h[:keep] for h in verified.hidden_states)
         last_hidden = verified.last_hidden_state[:keep]
     return Generation(_cut(generated, max_new_tokens, stop), accepted, proposed)
+
+
+def _sample_last(
+    target: FrozenTarget, run: _TargetPass, sampling: Sampling, generator: torch.Generator | None
+) -> int:
+    return draw(sampling.probabilities(target.logits(run.last_hidden_state[-1:]))[0], generator)
 
 
 def as_prompt(prompt: Tensor | Sequence[int], target: FrozenTarget) -> Tensor:

@@ -14,7 +14,9 @@ report is built from its rounds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +24,37 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.core.checks import check_int
-from lightning_drafts.serving.decode import as_prompt, greedy_generate, speculative_generate
+from lightning_drafts.serving.conversation_prompts import turn_prompt
+from lightning_drafts.serving.decode import Generation, as_prompt, greedy_generate, speculative_generate
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
-from lightning_drafts.serving.family import DraftFamily
+from lightning_drafts.serving.family import DraftFamily, Speculator
 from lightning_drafts.serving.progress import announce, map_with_progress
+from lightning_drafts.serving.prompt_sets import Conversation
 from lightning_drafts.serving.report import EvaluationReport, served_acceptance, training_estimate
+from lightning_drafts.serving.sampling import Sampling
+from lightning_drafts.serving.served_table import ServedRequest, served_rows
 from lightning_drafts.serving.vllm_evaluate import serve_with_vllm
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
 
 ENGINES = ("builtin", "vllm")
+TOKEN_PROMPTS = "prompts"
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One turn of every request that has it, served: the speculative generations, the output tokens of
+    each speed mode, and each mode's decode seconds per (prompt set, category) group."""
+
+    generations: list[Generation]
+    outputs: dict[str, list[list[int]]]
+    seconds: dict[str, dict[tuple[str, str], float]]
+    engine_info: dict[str, Any] | None = None
 
 
 def evaluate_family_export(
     family: DraftFamily,
     export_dir: str | Path,
-    prompts: Sequence[Tensor | Sequence[int]],
+    prompts: Sequence[Tensor | Sequence[int]] | Sequence[Conversation],
     target: FrozenTarget | TargetSpec | None = None,
     max_new_tokens: int = 64,
     num_steps: int | None = None,
@@ -50,12 +68,20 @@ def evaluate_family_export(
     engine: str = "builtin",
     vllm_python: str | Path | None = None,
     progress: bool = False,
+    tokenizer: Any = None,
+    baseline: bool = False,
+    ngram: bool = False,
+    max_prompt_tokens: int | None = None,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> EvaluationReport:
     """Validate, load and serve ``family``'s export in ``export_dir`` on ``prompts``; report served vs
     training acceptance.
 
     Args:
-        prompts: token-id prompts (1-D tensors or lists), in the target's vocabulary.
+        prompts: token-id prompts (1-D tensors or lists), in the target's vocabulary, or conversations of a
+            prompt set (:mod:`lightning_drafts.serving.prompt_sets`), rendered with ``tokenizer``'s chat
+            template; turn ``k > 1`` is asked after the target's own greedy answer to turn ``k - 1``.
         target: a :class:`FrozenTarget` (shared, e.g. by a training run), a hub id / path / config dict,
             or ``None`` for the target the export records.
         num_steps: tokens proposed per round (``None``: the family default, e.g. EAGLE-3's ``ttt_length``).
@@ -70,6 +96,15 @@ def evaluate_family_export(
         vllm_python: the vLLM environment's python (default: ``$LIGHTNING_DRAFTS_VLLM_PYTHON``, else
             ``.venv-vllm``).
         progress: show prompts done and tokens/s on stderr while decoding (only on a terminal).
+        tokenizer: renders conversations (a transformers tokenizer with a chat template).
+        baseline: also decode every prompt with the target alone in the same engine, for tokens/s without
+            speculation (always done for conversations of several turns: their later turns need the
+            target's own answers).
+        ngram: with ``engine="vllm"``, also serve the prompts with vLLM's n-gram speculator.
+        max_prompt_tokens: keep the last tokens of each rendered conversation prompt.
+        sampling: sample (temperature, top-p) instead of greedy decoding, with speculative sampling's
+            acceptance rule (:mod:`lightning_drafts.serving.sampling`); the built-in engine only. Request
+            ``i`` of a turn draws from a generator seeded ``seed + i`` (with the draft and without alike).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is unknown; choose one of {ENGINES}")
@@ -77,6 +112,20 @@ def evaluate_family_export(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not prompts:
         raise ValueError("no prompts to evaluate on; pass at least one token-id prompt")
+    if sampling is not None and engine != "builtin":
+        raise ValueError("sampling runs in the built-in decode only; drop engine='vllm' or the sampling")
+    if sampling is not None and check_lossless:
+        raise ValueError(
+            "a sampled decode matches the target's distribution, not its tokens: drop check_lossless or the "
+            "sampling"
+        )
+    if ngram and engine != "vllm":
+        raise ValueError("ngram=True measures vLLM's n-gram speculator: it needs engine='vllm'")
+    conversations = [p for p in prompts if isinstance(p, Conversation)]
+    if conversations and len(conversations) != len(prompts):
+        raise ValueError("prompts mix conversations and token-id prompts; pass one kind")
+    if conversations and tokenizer is None:
+        raise ValueError("conversation prompts are text: pass the target's tokenizer to render them")
     directory = Path(export_dir)
     say = announce if progress else (lambda message: None)
     config = read_export(directory).config
@@ -88,41 +137,85 @@ def evaluate_family_export(
     check_int("num_steps", steps, 1, hint="tokens proposed per verify round")
     stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
     speculator = family.load_speculator(directory, frozen, steps)
-    prompt_tensors = [as_prompt(p, frozen) for p in prompts]
-    engine_info: dict[str, Any] | None = None
-    if engine == "vllm":
-        served = serve_with_vllm(
-            family,
-            directory,
-            summary.architecture,
-            target,
+    baseline = baseline or any(len(c.turns) > 1 for c in conversations)
+
+    def serve(phase_prompts: list[Tensor], phase_requests: list[ServedRequest]) -> _Phase:
+        if engine == "vllm":
+            return _serve_vllm(
+                family,
+                directory,
+                summary.architecture,
+                target,
+                frozen,
+                phase_prompts,
+                phase_requests,
+                steps,
+                max_new_tokens,
+                stop,
+                target_dtype,
+                vllm_python,
+                progress,
+                baseline,
+                ngram,
+            )
+        return _serve_builtin(
             frozen,
-            prompt_tensors,
-            steps,
+            speculator,
+            phase_prompts,
+            phase_requests,
             max_new_tokens,
             stop,
-            dtype=target_dtype,
-            python=vllm_python,
-            progress=progress,
+            baseline,
+            progress,
+            sampling,
+            seed,
         )
-        generations, engine_info = served.as_generations(), served.engine_info()
+
+    requests: list[ServedRequest] = []
+    prompt_tensors: list[Tensor] = []
+    phases: list[_Phase] = []
+    if conversations:
+        answers: list[list[list[int]]] = [[] for _ in conversations]
+        for turn in range(max(len(c.turns) for c in conversations)):
+            asked = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
+            say(f"evaluate: turn {turn + 1} of {len(asked)} conversations")
+            phase_requests = [_request(conversations[i], turn) for i in asked]
+            phase_prompts = [
+                as_prompt(
+                    turn_prompt(tokenizer, conversations[i], answers[i], stop, max_prompt_tokens), frozen
+                )
+                for i in asked
+            ]
+            phase = serve(phase_prompts, phase_requests)
+            for i, own in zip(asked, phase.outputs.get("target", phase.outputs["draft"]), strict=True):
+                answers[i].append(own)  # the target's own answer, asked about in the next turn
+            requests += phase_requests
+            prompt_tensors += phase_prompts
+            phases.append(phase)
     else:
-        generations = map_with_progress(
-            lambda p: speculative_generate(frozen, speculator, p, max_new_tokens, stop),
-            prompt_tensors,
-            "speculative decoding",
-            lambda g: len(g.tokens),
-            enabled=progress,
-        )
+        requests = [ServedRequest(TOKEN_PROMPTS, "all", str(i), 1) for i in range(len(prompts))]
+        prompt_tensors = [as_prompt(p, frozen) for p in prompts]
+        phases.append(serve(prompt_tensors, requests))
+    generations = [g for phase in phases for g in phase.generations]
+    outputs = {mode: [o for phase in phases for o in phase.outputs[mode]] for mode in phases[0].outputs}
+    seconds: dict[str, dict[tuple[str, str], float]] = {}
+    for phase in phases:
+        for mode, groups in phase.seconds.items():
+            for key, spent in groups.items():
+                seconds.setdefault(mode, {}).setdefault(key, 0.0)
+                seconds[mode][key] += spent
     lossless = None
     if check_lossless:
-        reference = map_with_progress(
-            lambda p: greedy_generate(frozen, p, max_new_tokens, stop),
-            prompt_tensors,
-            "target greedy decode (lossless check)",
-            len,
-            enabled=progress,
-        )
+        if engine == "builtin" and "target" in outputs:
+            reference = outputs["target"]
+        else:
+            reference = map_with_progress(
+                lambda p: greedy_generate(frozen, p, max_new_tokens, stop),
+                prompt_tensors,
+                "target greedy decode (lossless check)",
+                len,
+                enabled=progress,
+            )
         lossless = all(g.tokens == r for g, r in zip(generations, reference, strict=True))
     training = None
     if with_training_estimate:
@@ -132,6 +225,9 @@ def evaluate_family_export(
             module.to(frozen.lm_head.weight.device).eval()
             continuations = [g.tokens for g in generations]
             training = training_estimate(module, prompt_tensors, continuations, num_steps=steps)
+    engine_info = phases[-1].engine_info
+    if engine_info is not None and len(phases) > 1:
+        engine_info = {**engine_info, "turns": [p.engine_info for p in phases]}
     return EvaluationReport(
         export_dir=str(directory),
         architecture=summary.architecture,
@@ -148,7 +244,138 @@ def evaluate_family_export(
         generations=[g.tokens for g in generations],
         engine=engine,
         engine_info=engine_info,
+        requests=requests,
+        accepted=[list(g.accepted) for g in generations],
+        table=served_rows(
+            requests,
+            [g.accepted for g in generations],
+            {mode: [len(o) for o in made] for mode, made in outputs.items()},
+            seconds,
+            steps,
+        ),
+        speed_engine=_speed_engine(engine, engine_info, frozen),
+        sampling=sampling,
     )
+
+
+def _request(conversation: Conversation, turn: int) -> ServedRequest:
+    return ServedRequest(conversation.prompt_set, conversation.category, conversation.question_id, turn + 1)
+
+
+def _serve_builtin(
+    frozen: FrozenTarget,
+    speculator: Speculator,
+    prompts: list[Tensor],
+    requests: list[ServedRequest],
+    max_new_tokens: int,
+    stop: set[int],
+    baseline: bool,
+    progress: bool,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+) -> _Phase:
+    """Each prompt decoded speculatively (and, with ``baseline``, by the target alone), one at a time, timed;
+    with ``sampling``, prompt ``i`` draws from a generator seeded ``seed + i``."""
+    seconds: dict[str, dict[tuple[str, str], float]] = {"draft": {}}
+    device = frozen.lm_head.weight.device
+
+    def timed(mode: str, index: int, decode: Callable[[Tensor, torch.Generator | None], Any]) -> Any:
+        generator = None if sampling is None else torch.Generator(device).manual_seed(seed + index)
+        start = time.perf_counter()
+        result = decode(prompts[index], generator)
+        spent = seconds.setdefault(mode, {})
+        spent[requests[index].group] = spent.get(requests[index].group, 0.0) + time.perf_counter() - start
+        return result
+
+    generations = map_with_progress(
+        lambda i: timed(
+            "draft",
+            i,
+            lambda p, g: speculative_generate(frozen, speculator, p, max_new_tokens, stop, sampling, g),
+        ),
+        range(len(prompts)),
+        "speculative decoding",
+        lambda g: len(g.tokens),
+        enabled=progress,
+    )
+    outputs = {"draft": [g.tokens for g in generations]}
+    if baseline:
+        outputs["target"] = map_with_progress(
+            lambda i: timed(
+                "target", i, lambda p, g: greedy_generate(frozen, p, max_new_tokens, stop, sampling, g)
+            ),
+            range(len(prompts)),
+            "target alone (no speculation)",
+            len,
+            enabled=progress,
+        )
+    return _Phase(generations, outputs, seconds)
+
+
+def _serve_vllm(
+    family: DraftFamily,
+    directory: Path,
+    architecture: str,
+    target: FrozenTarget | TargetSpec | None,
+    frozen: FrozenTarget,
+    prompts: list[Tensor],
+    requests: list[ServedRequest],
+    steps: int,
+    max_new_tokens: int,
+    stop: set[int],
+    dtype: str | None,
+    python: str | Path | None,
+    progress: bool,
+    baseline: bool,
+    ngram: bool,
+) -> _Phase:
+    """One vLLM engine per mode (the export drafting; the target alone; the n-gram speculator), one after
+    another in one vLLM process, each generating the prompts of one (prompt set, category) group at a
+    time, timed per group."""
+    keys = list(dict.fromkeys(r.group for r in requests))
+    groups = [[i for i, r in enumerate(requests) if r.group == key] for key in keys]
+    modes = ["draft"] + (["target"] if baseline else []) + (["ngram"] if ngram else [])
+    results = serve_with_vllm(
+        family,
+        directory,
+        architecture,
+        target,
+        frozen,
+        prompts,
+        steps,
+        max_new_tokens,
+        stop,
+        dtype=dtype,
+        python=python,
+        progress=progress,
+        modes=modes,
+        groups=groups,
+    )
+    seconds = {mode: dict(zip(keys, r.seconds["groups"], strict=True)) for mode, r in results.items()}
+    info = results["draft"].engine_info()
+    if "ngram" in results:
+        ngram_rounds = results["ngram"].as_generations()
+        info["ngram"] = {
+            "rounds": results["ngram"].rounds,
+            "accept_len_pooled": served_acceptance(ngram_rounds, steps).accept_len,
+            "seconds": results["ngram"].seconds,
+        }
+    if "target" in results:
+        info["target_seconds"] = results["target"].seconds
+    return _Phase(
+        results["draft"].as_generations(),
+        {mode: r.generations for mode, r in results.items()},
+        seconds,
+        info,
+    )
+
+
+def _speed_engine(engine: str, engine_info: Mapping[str, Any] | None, frozen: FrozenTarget) -> str:
+    if engine == "vllm":
+        return f"vLLM {(engine_info or {}).get('vllm_version', '?')}"
+    device = frozen.lm_head.weight.device
+    where = "CPU" if device.type == "cpu" else str(device)
+    return f"the built-in decode on {where} (batch of one, no KV cache)"
 
 
 def resolve_target(

@@ -224,7 +224,8 @@ def results_section(report: EvaluationReport, prompts: str) -> str:
     training = report.training.accept_len if report.training is not None else None
     lossless = {True: "yes", False: "NO", None: "not checked"}[report.lossless]
     rows = [
-        ("served `accept_len`", _number(report.served.accept_len)),
+        ("served `accept_len`, pooled over tokens (vLLM, SGLang)", _number(report.served.accept_len)),
+        ("served `accept_len`, per-request mean (SpecForge)", _number(report.served.accept_len_per_request)),
         ("training estimate (tau_sim) on the same tokens", _number(training)),
         (
             "accepted per drafted position (prefix rate)",
@@ -232,12 +233,16 @@ def results_section(report: EvaluationReport, prompts: str) -> str:
         ),
         ("verify rounds / generated tokens", f"{report.rounds:,} / {report.generated_tokens:,}"),
         ("engine", report.engine),
+        ("decoding", report.decoding()),
         ("prompts", f"{report.num_prompts} from {prompts}"),
         ("tokens drafted per round (`num_steps`)", report.num_steps),
         ("new tokens per prompt (`max_new_tokens`)", report.max_new_tokens),
         ("output equal to the target's greedy decode", lossless),
     ]
-    return "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+    lines = ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+    if report.table:
+        lines += ["", "Per prompt set and category:", "", report.markdown()]
+    return "\n".join(lines)
 
 
 def _number(value: float | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,15 @@ from torch import Tensor
 from lightning_drafts.core.acceptance import AcceptanceStats
 from lightning_drafts.serving.decode import Generation
 from lightning_drafts.serving.export_files import ExportSummary
+from lightning_drafts.serving.sampling import Sampling
+from lightning_drafts.serving.served_table import (
+    PER_REQUEST,
+    POOLED,
+    ServedRequest,
+    ServedRow,
+    acceptance_lengths,
+    markdown_table,
+)
 from lightning_drafts.training.module import DraftModule
 
 
@@ -24,12 +33,15 @@ class AcceptanceSummary:
 
     Attributes:
         accept_len: ``1 + sum_k hits[k] / denominator[k]`` (served: the mean of ``accepted + 1`` over
-            rounds; training: tau_sim). ``None`` when there was nothing to count.
+            rounds, i.e. pooled over tokens as vLLM and SGLang report it; training: tau_sim). ``None`` when
+            there was nothing to count.
         hits: per position ``k``, chains / rounds whose first ``k + 1`` drafted tokens were all accepted.
         denominators: served: the number of rounds at every position; training: chains valid up to ``k``.
         prefix_rate: ``hits[k] / denominators[k]``.
         position_accuracy: served: accepted at ``k`` given everything before was (``hits[k] /
             hits[k - 1]``); training: ``acc_pos{k}``, accuracy at ``k`` with a ground-truth prefix.
+        accept_len_per_request: served only: the mean over requests of each request's own acceptance
+            length (SpecForge's definition; :mod:`lightning_drafts.serving.served_table`).
     """
 
     accept_len: float | None
@@ -37,20 +49,23 @@ class AcceptanceSummary:
     denominators: list[int]
     prefix_rate: list[float]
     position_accuracy: list[float]
+    accept_len_per_request: float | None = None
 
 
 def served_acceptance(generations: Sequence[Generation], num_steps: int) -> AcceptanceSummary:
-    """Prefix acceptance over every round of ``generations``."""
+    """Prefix acceptance over every round of ``generations`` (one generation per request)."""
     accepted = torch.tensor([a for g in generations for a in g.accepted], dtype=torch.long)
     rounds = int(accepted.numel())
     hits = [int((accepted > k).sum()) for k in range(num_steps)]
     reached = [rounds] + hits[:-1]
+    pooled, per_request = acceptance_lengths([g.accepted for g in generations])
     return AcceptanceSummary(
-        accept_len=float(accepted.double().mean() + 1) if rounds else None,
+        accept_len=pooled,
         hits=hits,
         denominators=[rounds] * num_steps,
         prefix_rate=[h / rounds if rounds else 0.0 for h in hits],
         position_accuracy=[h / r if r else 0.0 for h, r in zip(hits, reached, strict=True)],
+        accept_len_per_request=per_request,
     )
 
 
@@ -120,7 +135,10 @@ class EvaluationReport:
     """Served acceptance beside the training-time estimate for one export on one prompt set.
 
     ``engine`` is what served it: ``"builtin"`` (the project's decode) or ``"vllm"``, whose version, own
-    counters (``rounds``, ``accepted_per_position``) and timings are in ``engine_info``.
+    counters (``rounds``, ``accepted_per_position``) and timings are in ``engine_info``. ``requests`` says
+    which prompt set, category, question and turn each prompt is, ``accepted`` the drafted tokens each of
+    its verify rounds accepted; ``table`` holds the results per prompt set and category (both acceptance
+    lengths, tokens/s measured in ``speed_engine``).
     """
 
     export_dir: str
@@ -138,6 +156,11 @@ class EvaluationReport:
     generations: list[list[int]]
     engine: str = "builtin"
     engine_info: dict[str, Any] | None = None
+    requests: list[ServedRequest] = field(default_factory=list)
+    accepted: list[list[int]] = field(default_factory=list)
+    table: list[ServedRow] = field(default_factory=list)
+    speed_engine: str = "the built-in decode"
+    sampling: Sampling | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,16 +171,33 @@ class EvaluationReport:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return path
 
+    def markdown(self) -> str:
+        """The results per prompt set and category as a Markdown table."""
+        return markdown_table(self.table, self.speed_engine)
+
+    def write_results(self, directory: str | Path) -> tuple[Path, Path]:
+        """``served.json`` (the whole report) and ``served.md`` (the table) in ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        markdown = directory / "served.md"
+        markdown.write_text(
+            f"# Served results: {self.export_dir} ({self.architecture}), served by {self._engine_name()}, "
+            f"{self.decoding()}, "
+            f"num_steps={self.num_steps}, max_new_tokens={self.max_new_tokens}\n\n{self.markdown()}\n"
+        )
+        return self.write_json(directory / "served.json"), markdown
+
     def format_table(self) -> str:
         """A small text table: served acceptance and tau_sim side by side, then per drafted position."""
         training = self.training
         lines = [
             f"{self.export_dir} ({self.architecture}): {self.num_prompts} prompts, {self.generated_tokens} tokens, "
             f"{self.rounds} verify rounds, num_steps={self.num_steps}, layers {list(self.export.target_layer_ids)}, "
-            f"served by {self._engine_name()}",
+            f"served by {self._engine_name()}, {self.decoding()}",
             f"{'':22}{'served':>10}{'tau_sim (training)':>22}",
-            f"{'accept_len':22}{_number(self.served.accept_len):>10}"
+            f"{'accept_len pooled':22}{_number(self.served.accept_len):>10}"
             f"{_number(training.accept_len if training else None):>22}",
+            f"{'accept_len per-request':22}{_number(self.served.accept_len_per_request):>10}{'-':>22}",
         ]
         for k in range(self.num_steps):
             train_rate = _at(training.prefix_rate, k) if training else None
@@ -171,6 +211,7 @@ class EvaluationReport:
             "prefix rate: share of rounds (chains) whose first k drafted tokens were all accepted; accuracy: "
             "served = accepted given the earlier ones were, training = acc_pos{k} after a ground-truth prefix"
         )
+        lines += ["", self.markdown()] if self.table else [f"{POOLED}; {PER_REQUEST}"]
         if self.lossless is not None:
             verdict = (
                 "yes, equal to the target's greedy output"
@@ -179,6 +220,12 @@ class EvaluationReport:
             )
             lines.append(f"lossless: {verdict}")
         return "\n".join(lines)
+
+    def decoding(self) -> str:
+        """Greedy, or the sampling settings."""
+        if self.sampling is None:
+            return "greedy"
+        return f"sampled at temperature {self.sampling.temperature}, top_p {self.sampling.top_p}"
 
     def _engine_name(self) -> str:
         if self.engine == "vllm":

@@ -41,7 +41,10 @@ class VLLMRunError(RuntimeError):
 @dataclass(frozen=True)
 class VLLMRequest:
     """What one vLLM engine serves: ``prompts`` (token ids) decoded greedily by ``target``, drafted by the
-    export in ``draft`` with vLLM's speculative ``method`` (``None`` draft: the target alone)."""
+    export in ``draft`` with vLLM's speculative ``method`` (``None`` draft: the target alone, unless
+    ``method`` is ``"ngram"``: vLLM's n-gram speculator). ``groups`` (lists of prompt indices) are generated
+    and timed one after another (default: all prompts at once), after a short untimed call with
+    ``warmup``."""
 
     target: str
     prompts: Sequence[Sequence[int]]
@@ -53,6 +56,8 @@ class VLLMRequest:
     ignore_eos: bool = True
     dtype: str = "float32"
     max_model_len: int | None = None
+    groups: Sequence[Sequence[int]] | None = None
+    warmup: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The runner's request (field for field, the names its docstring lists)."""
@@ -60,6 +65,7 @@ class VLLMRequest:
             **asdict(self),
             "prompts": [[int(t) for t in p] for p in self.prompts],
             "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "groups": None if self.groups is None else [[int(i) for i in g] for g in self.groups],
         }
 
 
@@ -73,7 +79,8 @@ class VLLMResult:
         accepted_per_position: vLLM's ``spec_decode_num_accepted_tokens_per_pos`` counter.
         accepted, drafted: per prompt, each verify round's accepted / drafted count (vLLM's detailed
             per-request metrics).
-        seconds: ``engine_start`` and ``generate`` wall times inside the runner.
+        seconds: ``engine_start`` and ``generate`` wall times inside the runner, and ``groups``: each
+            group's generation.
     """
 
     vllm_version: str
@@ -82,7 +89,7 @@ class VLLMResult:
     accepted_per_position: list[int]
     accepted: list[list[int]] = field(default_factory=list)
     drafted: list[list[int]] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> VLLMResult:
@@ -153,7 +160,20 @@ def run_vllm(
     timeout: float | None = None,
     progress: bool = False,
 ) -> VLLMResult:
-    """Serve ``request`` with vLLM in its own environment and return what it generated and counted.
+    """Serve ``request`` with vLLM in its own environment and return what it generated and counted
+    (the arguments are :func:`run_vllm_all`'s)."""
+    return run_vllm_all([request], python, threads, timeout, progress)[0]
+
+
+def run_vllm_all(
+    requests: Sequence[VLLMRequest],
+    python: str | Path | None = None,
+    threads: int | None = None,
+    timeout: float | None = None,
+    progress: bool = False,
+) -> list[VLLMResult]:
+    """Serve each of ``requests`` with its own vLLM engine, one after another in one process of vLLM's
+    environment (vLLM is imported once), and return what each generated and counted.
 
     Args:
         python: the vLLM environment's python (default: :func:`find_vllm_python`).
@@ -166,7 +186,7 @@ def run_vllm(
     show = progress and sys.stderr.isatty()
     with tempfile.TemporaryDirectory(prefix="lightning-drafts-vllm-") as scratch:
         request_file, result_file = Path(scratch) / "request.json", Path(scratch) / "result.json"
-        request_file.write_text(json.dumps({**request.to_json(), "progress": show}))
+        request_file.write_text(json.dumps([{**r.to_json(), "progress": show} for r in requests]))
         command = [str(python), str(RUNNER), str(request_file), str(result_file)]
         if show:
             print(f"vLLM: starting the engine ({python})", file=sys.stderr, flush=True)
@@ -189,12 +209,15 @@ def run_vllm(
                 f"vLLM ran past {timeout} s: {' '.join(command)}\n{_tail(error.stderr)}"
             ) from error
         if completed.returncode != 0 or not result_file.is_file():
+            described = [
+                {k: v for k, v in r.to_json().items() if k not in ("prompts", "groups")} for r in requests
+            ]
             raise VLLMRunError(
                 f"vLLM failed (exit {completed.returncode}): {' '.join(command)}\n"
-                f"request: {json.dumps({k: v for k, v in request.to_json().items() if k != 'prompts'})}\n"
+                f"requests: {json.dumps(described)}\n"
                 f"last lines of its log:\n{_tail(completed.stderr)}"
             )
-        return VLLMResult.from_json(json.loads(result_file.read_text()))
+        return [VLLMResult.from_json(r) for r in json.loads(result_file.read_text())]
 
 
 def _environment(threads: int | None) -> dict[str, str]:

@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_drafts.serving.family import DraftFamily
-from lightning_drafts.serving.vllm_engine import VLLMRequest, VLLMResult, run_vllm
+from lightning_drafts.serving.vllm_engine import VLLMRequest, VLLMResult, run_vllm_all
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
 
 # Our dtype names -> vLLM's ``dtype``. None is float32: vLLM's own ``auto`` casts a float32 checkpoint down to
@@ -32,6 +32,9 @@ VLLM_DTYPES = {
     "float16": "float16",
     "fp16": "float16",
 }
+
+# What serves the prompts in a run of vLLM: the export, the target alone, or vLLM's n-gram speculator.
+VLLM_MODES = ("draft", "target", "ngram")
 
 
 def serve_with_vllm(
@@ -47,9 +50,11 @@ def serve_with_vllm(
     dtype: str | None = None,
     python: str | Path | None = None,
     progress: bool = False,
-) -> VLLMResult:
-    """Greedy speculative decoding of ``prompts`` by vLLM from the export in ``export_dir``: what vLLM
-    generated, with its rounds (``as_generations()`` gives them as the built-in decode reports them).
+    modes: Sequence[str] = ("draft",),
+    groups: Sequence[Sequence[int]] | None = None,
+) -> dict[str, VLLMResult]:
+    """Greedy speculative decoding of ``prompts`` by vLLM from the export in ``export_dir``: per mode, what
+    vLLM generated, with its rounds (``as_generations()`` gives them as the built-in decode reports them).
 
     Args:
         target: the target as ``evaluate`` was given it (``None``: the one the export records).
@@ -58,25 +63,40 @@ def serve_with_vllm(
             engines stop on exactly the same tokens).
         dtype: the target dtype (``None``: float32).
         python: the vLLM environment's python (default: found as ``run_vllm`` finds it).
+        modes: engines to run, one after another in one vLLM process: ``"draft"`` (the export drafts),
+            ``"target"`` (the target alone, no speculation), ``"ngram"`` (vLLM's n-gram speculator drafts
+            ``num_steps`` tokens from the prompt).
+        groups: prompt indices generated and timed together (``VLLMRequest.groups``).
     """
-    method = family.vllm_method(architecture)
+    unknown = [mode for mode in modes if mode not in VLLM_MODES]
+    if unknown:
+        raise ValueError(f"modes {unknown} are unknown; choose among {VLLM_MODES}")
+    methods = {"draft": family.vllm_method(architecture), "target": None, "ngram": "ngram"}
     if dtype not in VLLM_DTYPES:
         raise ValueError(
             f"target dtype {dtype!r} has no vLLM name; use one of {sorted(k for k in VLLM_DTYPES if k)}"
         )
     with tempfile.TemporaryDirectory(prefix="lightning-drafts-vllm-target-") as scratch:
-        request = VLLMRequest(
-            target=_loadable_target(target, frozen, Path(scratch)),
-            draft=str(export_dir),
-            method=method,
-            num_speculative_tokens=num_steps,
-            prompts=[p.tolist() for p in prompts],
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=sorted(set(stop_token_ids)),
-            ignore_eos=True,
-            dtype=VLLM_DTYPES[dtype],
-        )
-        return run_vllm(request, python=python, progress=progress)
+        loadable = _loadable_target(target, frozen, Path(scratch))
+        requests = [
+            VLLMRequest(
+                target=loadable,
+                draft=str(export_dir) if mode == "draft" else None,
+                method=methods[mode],
+                num_speculative_tokens=num_steps,
+                prompts=[p.tolist() for p in prompts],
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=sorted(set(stop_token_ids)),
+                ignore_eos=True,
+                dtype=VLLM_DTYPES[dtype],
+                groups=groups,
+                # Timed groups: the engine's first-call compilation stays out of tokens/s.
+                warmup=groups is not None,
+            )
+            for mode in modes
+        ]
+        results = run_vllm_all(requests, python=python, progress=progress)
+    return dict(zip(modes, results, strict=True))
 
 
 def _loadable_target(target: FrozenTarget | TargetSpec | None, frozen: FrozenTarget, scratch: Path) -> str:

@@ -121,7 +121,12 @@ def test_a_quickstart_fit_validate_export_evaluate_prints_no_warning_of_ours(tmp
     assert "| training data | the embedded chitchat-dataset corpus |" in body
     assert f"| `val/accept_len` at this checkpoint | {float(score):.3f} |" in body
     served = json.loads((tmp_path / "served.json").read_text())
-    assert f"| served `accept_len` | {served['served']['accept_len']:.3f} |" in body
+    assert (
+        f"| served `accept_len`, pooled over tokens (vLLM, SGLang) | {served['served']['accept_len']:.3f} |"
+        in body
+    )
+    per_request = served["served"]["accept_len_per_request"]
+    assert f"| served `accept_len`, per-request mean (SpecForge) | {per_request:.3f} |" in body
     assert f"| prompts | 1 from the validation split of `{config}` |" in body
     shipped = ROOT / "lightning_drafts" / "shipped" / "tiny-llama"
     assert (

@@ -232,6 +232,46 @@ MUTANTS: tuple[Mutant, ...] = (
         "served prefix rates count a round that stopped at step k as reaching it",
     ),
     Mutant(
+        "served-acceptance-definitions-swapped",
+        "lightning_drafts/serving/served_table.py",
+        "return pooled, (sum(own) / len(own) if own else None)",
+        "return (sum(own) / len(own) if own else None), pooled",
+        (
+            "tests/serving/test_served_table.py::test_pooled_and_per_request_acceptance_differ_as_computed_by_hand",
+        ),
+        "the pooled (vLLM, SGLang) and per-request (SpecForge) acceptance lengths are reported under each other's name",
+    ),
+    Mutant(
+        "mt-bench-category-dropped",
+        "lightning_drafts/serving/prompt_sets.py",
+        'Conversation("mt-bench", row["category"], str(row["question_id"]), tuple(row["turns"]))',
+        'Conversation("mt-bench", "all", str(row["question_id"]), tuple(row["turns"]))',
+        ("tests/serving/test_prompt_sets.py::test_mt_bench_is_the_80_two_turn_questions_in_8_categories",),
+        "MT-Bench results are no longer split by category",
+    ),
+    Mutant(
+        "second-turn-without-the-first-answer",
+        "lightning_drafts/serving/evaluate.py",
+        "answers[i].append(own)  # the target's own answer, asked about in the next turn",
+        "answers[i].append([])",
+        (
+            "tests/serving/test_prompt_set_evaluate.py::"
+            "test_mt_bench_turns_follow_the_targets_answers_and_split_by_category",
+        ),
+        "a later turn is asked without the target's own answer to the turn before",
+    ),
+    Mutant(
+        "speculative-sampling-redraws-the-rejected-token",
+        "lightning_drafts/serving/sampling.py",
+        "residual[token] = 0  # max(0, p - q) for q the point mass on the proposed token",
+        "residual[token] = residual[token]",
+        (
+            "tests/serving/test_speculative_sampling.py::"
+            "test_the_acceptance_rule_emits_each_token_with_its_target_probability",
+        ),
+        "a rejected proposal is drawn again from p instead of the residual: sampled output no longer follows the target",
+    ),
+    Mutant(
         "served-callback-logs-a-constant",
         "callbacks/served_acceptance.py",
         "return report.served.accept_len",

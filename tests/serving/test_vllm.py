@@ -4,8 +4,8 @@ every generated token equal (and equal to the target's greedy decode), the same 
 and the same accepted count at every drafted position.
 
 The vLLM environment comes from ``$LIGHTNING_DRAFTS_VLLM_PYTHON`` or is built by ``.ci/vllm-env``; if it
-cannot be had, these tests fail with the reason (they are never skipped). One vLLM engine starts per
-test (about 20 s on a 2-core CPU).
+cannot be had, these tests fail with the reason (they are never skipped). One vLLM process starts per
+test (about 20 s on a 2-core CPU; the prompt-set test runs three engines in it, about 45 s).
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
+from lightning_drafts.serving.prompt_sets import load_prompt_set
 from lightning_drafts.serving.report import EvaluationReport
 from lightning_drafts.serving.vllm_engine import VLLMRunError
+from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export
 from tests.hang_guard import HANG_GUARD_S
 from tests.serving.vllm_cases import BLOCK, MAX_NEW_TOKENS, TARGETS, prompts, trained_export
@@ -110,6 +113,34 @@ def test_vllm_cpu_gives_every_dflash_layers_context_keys_the_first_layers_gain(
     served = evaluate(export, TARGETS["qwen3"], BLOCK - 1, engine="vllm", vllm_python=vllm_python)
     assert builtin.lossless and served.lossless and served.generations == builtin.generations
     assert (served.rounds, served.served.hits) != (builtin.rounds, builtin.served.hits)
+
+
+def test_vllm_measures_a_prompt_set_with_the_draft_without_it_and_with_n_grams(
+    vllm_python, tmp_path, one_thread
+):
+    """Two HumanEval problems (text, rendered with the target's chat template) served by three vLLM engines:
+    the export drafting, the target alone and vLLM's n-gram speculator. Every request's rounds are vLLM's
+    own and equal the built-in decode's, so both acceptance lengths of the table agree with it."""
+    export = trained_export("eagle3", TARGETS["llama"], tmp_path / "export")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_shipped(TARGETS["llama"]))
+    problems = load_prompt_set("humaneval", 2)
+    options = {"target": TARGETS["llama"], "tokenizer": tokenizer, "max_new_tokens": 16, "num_steps": 3}
+    options |= {"baseline": True, "with_training_estimate": False}
+    builtin = evaluate_export(export, problems, **options)
+    served = evaluate_export(
+        export, problems, engine="vllm", vllm_python=vllm_python, ngram=True, check_lossless=True, **options
+    )
+    assert served.lossless and served.generations == builtin.generations
+    assert served.accepted == builtin.accepted and served.rounds == served.engine_info["rounds"]
+    (row,) = served.table
+    (reference,) = builtin.table
+    assert (row.category, row.requests, row.output_tokens) == ("coding", 2, sum(map(len, served.generations)))
+    assert row.accept_len_pooled == reference.accept_len_pooled
+    assert row.accept_len_per_request == reference.accept_len_per_request
+    assert row.acceptance_by_position == reference.acceptance_by_position
+    assert all(row.tokens_per_s[mode] > 0 for mode in ("draft", "target", "ngram")), row.tokens_per_s
+    assert row.speedup == row.tokens_per_s["draft"] / row.tokens_per_s["target"]
+    assert served.speed_engine == "vLLM 0.32.0" and served.engine_info["ngram"]["rounds"] > 0
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
