@@ -6,6 +6,7 @@ the folder's model is built afresh from the loaded config and given the loaded (
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -25,7 +26,12 @@ def convert_gguf(
         raise FileExistsError(f"{out} exists and is not an empty directory; choose a new output directory")
     loaded = load_gguf_model(path, dtype=dtype)
     tokenizer = load_gguf_tokenizer(path)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=loaded.dtype)
+    config = copy.deepcopy(loaded.config)
+    # The loaded config says "quantized: gguf, file X"; the folder's weights are plain tensors, and an
+    # engine reading that marker would look for a GGUF file (vLLM does).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=loaded.dtype)
     # strict: every tensor of the fresh model must come from the file (a tied head is one tensor in both).
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config

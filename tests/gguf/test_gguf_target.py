@@ -5,6 +5,8 @@ reloads to the same logits."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -120,6 +122,8 @@ def test_convert_gguf_writes_a_folder_that_reloads_to_the_same_logits(tiny_gguf,
         keys = set(weights.keys())
     # The tied head is saved once, as the embedding.
     assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    # Plain weights: no quantization marker that would send an engine looking for the GGUF file.
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
     converted = AutoModelForCausalLM.from_pretrained(out)
     assert converted.config.tie_word_embeddings and converted.dtype == torch.float32
     original = FrozenTarget(str(path)).model
