@@ -40,6 +40,7 @@ from lightning_drafts.datamodules.tokenize import (
     tokenize_rows,
     tokenizer_fingerprint,
 )
+from lightning_drafts.gguf import is_gguf, load_gguf_tokenizer
 from lightning_drafts.shipped import resolve_shipped
 
 logger = logging.getLogger("lightning_drafts.datamodules")
@@ -528,6 +529,8 @@ def _load_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerBase | Non
         return load_embedded_tokenizer()
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return tokenizer
+    if is_gguf(tokenizer):
+        return load_gguf_tokenizer(tokenizer)
     if isinstance(tokenizer, (str, os.PathLike)):
         return AutoTokenizer.from_pretrained(resolve_shipped(str(tokenizer)))
     raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +13,17 @@ import torch
 from lightning_drafts.serving.family import DraftFamily
 from tests.builders import TINY_TARGETS
 from tests.families.family_case import registered
+from tests.tiny_gguf import write_tiny_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> tuple[Path, Path]:
+    """``(tiny.gguf, its model as a Hugging Face folder)``: a tied tiny Llama written once per session
+    (:mod:`tests.tiny_gguf`); tests that change the file copy it first."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture(params=sorted(TINY_TARGETS))

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "evaluate": "serve an export with real greedy speculative decoding: served vs training acceptance",
     "regenerate": "rewrite a config's answers with its own target (train on what the target writes)",
     "plot": "draw a run's loss, val/accept_len and acceptance-by-position curves into PNG files",
+    "convert-gguf": "write a GGUF target as the Hugging Face folder vLLM / SGLang load",
 }
 # The subcommands with an argparse parser (fit / validate are LightningCLI's): module, its main.
 ARGPARSE_COMMANDS = {
@@ -28,6 +29,7 @@ ARGPARSE_COMMANDS = {
     "evaluate": ("lightning_drafts.cli.evaluate", "evaluate_main"),
     "regenerate": ("lightning_drafts.cli.regenerate", "regenerate_main"),
     "plot": ("lightning_drafts.cli.plot", "plot_main"),
+    "convert-gguf": ("lightning_drafts.cli.convert_gguf", "convert_gguf_main"),
 }
 USAGE = (
     "usage: lightning-drafts {"

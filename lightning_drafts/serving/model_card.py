@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from lightning_drafts.gguf import is_gguf
 from lightning_drafts.serving.export_files import CARD_FILE, CONFIG_FILE
 from lightning_drafts.shipped import SHIPPED_PREFIX, resolve_shipped
 
@@ -54,10 +55,19 @@ def family_tag(module: DraftModule) -> str:
 
 
 def served_target(target: Any) -> str:
-    """The target as an engine is given it: a hub id or path as recorded, a shipped target's directory."""
+    """The target as an engine is given it: a hub id or path as recorded, a shipped target's directory,
+    a GGUF file's converted folder (:func:`converted_folder`)."""
     if isinstance(target, str):
+        if is_gguf(target):
+            return converted_folder(target)
         return str(resolve_shipped(target)) if target.startswith(SHIPPED_PREFIX) else target
     return "TARGET_DIR"  # a config-dict target or a model instance: save_pretrained it and give that path
+
+
+def converted_folder(gguf_file: str) -> str:
+    """Where the card tells the user to convert a GGUF target (``model.gguf`` -> ``model-hf``): the engines'
+    speculative decoding loads the target from a Hugging Face folder."""
+    return gguf_file[: -len(".gguf")] + "-hf"
 
 
 def serving_commands(
@@ -134,6 +144,13 @@ def render_card(
     if not isinstance(target, str):
         lines += [
             "`TARGET_DIR`: the target saved with `save_pretrained` (it was not given by id or path).",
+            "",
+        ]
+    elif is_gguf(target):
+        folder = converted_folder(target)
+        lines += [
+            f"`{folder}`: the GGUF target `{target}` written as a Hugging Face folder, which the engines "
+            f"load: `lightning-drafts convert-gguf {shlex.quote(target)} {shlex.quote(folder)}`.",
             "",
         ]
     lines += ["## Served acceptance", "", RESULTS_BEGIN, NO_RESULTS, RESULTS_END, ""]

@@ -37,6 +37,7 @@ CHECKED_FIELDS = (
     "num_layers",
     "vocab_size",
     "weights",
+    "file_sha256",
     "layer_ids",
     "final_positions",
     "attn_backend",

@@ -26,6 +26,7 @@ from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
 from lightning_drafts.core.row_top import row_max
 from lightning_drafts.core.target_features import FeatureRequest, TargetFeatures, final_position_mask
+from lightning_drafts.gguf import file_sha256, is_gguf, load_gguf_model
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.training.decoderless import load_without_decoder
 from lightning_drafts.training.document_target_attention import DOCUMENT_ATTENTION, SPANS_ARGUMENT
@@ -105,8 +106,8 @@ class TargetOutput:
 def build_causal_lm(
     spec: TargetSpec, dtype: torch.dtype | str | None = None, seed: int = 0, decoder: bool = True
 ) -> PreTrainedModel:
-    """A causal LM from a hub id / local path / ``shipped:<name>``, a config dict (random weights, seeded),
-    or an instance. ``decoder=False`` loads a checkpoint (hub id / path) without its decoder layers
+    """A causal LM from a hub id / local path / ``shipped:<name>`` / ``.gguf`` file (dequantized, in
+    ``dtype`` or float32), a config dict (random weights, seeded), or an instance. ``decoder=False`` loads a checkpoint (hub id / path) without its decoder layers
     (:mod:`lightning_drafts.training.decoderless`); a config dict or an instance is built whole (random
     weights are drawn in the full model's order)."""
     if isinstance(spec, PreTrainedModel):
@@ -124,6 +125,10 @@ def build_causal_lm(
             model = AutoModelForCausalLM.from_config(config, dtype=as_dtype(dtype))
         return model
     if isinstance(spec, str):
+        if is_gguf(spec):
+            # A GGUF file is read whole (its tensors are dequantized together); FrozenTarget then frees the
+            # decoder when it is not wanted.
+            return load_gguf_model(spec, dtype=as_dtype(dtype))
         if not decoder:
             return load_without_decoder(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
         return AutoModelForCausalLM.from_pretrained(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
@@ -161,6 +166,8 @@ class FrozenTarget(nn.Module):
     ) -> None:
         super().__init__()
         self.model = build_causal_lm(model, dtype=dtype, seed=seed, decoder=decoder)
+        # A GGUF target's weights live in its file alone: its bytes' digest is part of its identity.
+        self.file_sha256 = file_sha256(model) if is_gguf(model) else None
         # Taken before any cast: the float32 rope tables and the tensors transformers keeps float32 (a MoE
         # router's weight and score bias), which every later cast is undone to.
         self._rope_tables = float32_rope_tables(self.model)
@@ -268,11 +275,14 @@ class FrozenTarget(nn.Module):
             for key, value in self.model.config.to_dict().items()
             if not key.startswith("_") and key not in ("dtype", "torch_dtype", "transformers_version")
         }
+        if self.file_sha256 is not None:
+            # transformers marks a GGUF load with the file's name; the file's digest below identifies it.
+            config.pop("quantization_config", None)
         config_json = json.dumps(config, sort_keys=True, default=str)
         config_hash = hashlib.sha256(config_json.encode()).hexdigest()[:32]
         weights = state_digest({"embed": self.input_embeddings.weight, "lm_head": self.lm_head.weight})[:32]
         # In the order a mismatch is best explained: the config first, the weights' bytes last.
-        return {
+        identity = {
             "config_hash": config_hash,
             "dtype": str(self.compute_dtype).removeprefix("torch."),
             "hidden_size": int(self.text_config.hidden_size),
@@ -280,6 +290,11 @@ class FrozenTarget(nn.Module):
             "vocab_size": self.vocab_size,
             "weights": weights,
         }
+        if self.file_sha256 is not None:
+            # Every decoder weight is in the file: one changed where the embedding and head are not is a
+            # different teacher too.
+            identity["file_sha256"] = self.file_sha256
+        return identity
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

@@ -17,6 +17,7 @@ from lightning_drafts.cli.main import run_cli
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("*.yaml"))
 RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+REAL = sorted((ROOT / "configs" / "real").glob("*.yaml"))
 
 
 def short_fit(config: Path, save_dir: Path) -> list[str]:
@@ -70,7 +71,7 @@ def test_a_config_without_a_learning_rate_gets_the_family_default(config, tmp_pa
     assert (resolved["learning_rate"], resolved["warmup_ratio"]) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("config", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", RECIPES + REAL, ids=lambda p: f"{p.parent.name}-{p.stem}")
 def test_gpu_recipe_parses(config, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli(["fit", f"--config={config}", "--print_config"])
@@ -133,7 +134,7 @@ def test_a_mask_token_the_data_uses_is_refused_at_fit_start(mask_token_id, match
         run_cli([*short_fit(dflash, tmp_path), f"--model.init_args.mask_token_id={mask_token_id}"])
 
 
-@pytest.mark.parametrize("config", QUICKSTARTS + RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", QUICKSTARTS + RECIPES + REAL, ids=lambda p: f"{p.parent.name}-{p.stem}")
 def test_every_shipped_config_keeps_last_ckpt_after_every_validation(config):
     callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
     keeps_last = [

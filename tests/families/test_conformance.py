@@ -356,6 +356,23 @@ def test_export_validates_and_reloads_into_the_same_draft(family, case: FamilyCa
 
 
 @pytest.mark.parametrize(("family", "case", "layout"), params("layout"), indirect=["family"])
+def test_a_draft_of_a_tied_target_trains_exports_and_validates(family, case: FamilyCase, layout, tmp_path):
+    """A target whose LM head is its input embedding (tie_word_embeddings, as SmolLM2, Qwen3-0.6B, Gemma)
+    trains a step, exports, validates and reloads into the same draft, like an untied one."""
+    module = case.build({**TINY_TARGETS[case.targets[0]], "tie_word_embeddings": True})
+    target = module.target
+    assert target.lm_head.weight is target.input_embeddings.weight
+    batch, _ = twins(ROWS, width=20)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    run(module, batch, case.loss_inputs(module, batch, 0))
+    optimizer.step()
+    # The frozen target stays tied and untouched by the step.
+    assert target.lm_head.weight is target.input_embeddings.weight and not target.lm_head.weight.requires_grad
+    export = family.export(module, tmp_path / "draft", layout=layout)
+    check_reload(family, case, module, export, layout)
+
+
+@pytest.mark.parametrize(("family", "case", "layout"), params("layout"), indirect=["family"])
 def test_a_lightning_checkpoint_exports_through_the_registry(family, case: FamilyCase, layout, tmp_path):
     module = case.build(TINY_TARGETS[case.targets[0]])
     rows = [twins(ROWS, width=20, seed=seed)[0] for seed in range(2)]

@@ -23,7 +23,15 @@ from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export
 from tests.hang_guard import HANG_GUARD_S
-from tests.serving.vllm_cases import BLOCK, MAX_NEW_TOKENS, TARGETS, prompts, trained_export
+from tests.serving.vllm_cases import (
+    BLOCK,
+    MAX_NEW_TOKENS,
+    TARGETS,
+    TIED_SUFFIX,
+    prompts,
+    tied_target,
+    trained_export,
+)
 from tests.vllm_subprocess import vllm_python as find_vllm_python
 
 # family -> (target kind, num_steps). MLA-EAGLE-3 is served by the same engine in
@@ -34,6 +42,9 @@ SERVED = {
     # Fewer tokens than the block holds: vLLM drafts a block of num_steps + 1 slots (not the trained block
     # cut short), and so does the built-in decode.
     "dflash-short": ("qwen3", BLOCK - 2),
+    # Targets whose LM head is their input embedding (SmolLM2's kind).
+    "eagle3-tied": ("llama-tied", 3),
+    "dflash-tied": ("qwen3-tied", BLOCK - 1),
 }
 # What vLLM's CPU build (its V1 model runner) says when it refuses a family.
 REFUSED = {
@@ -63,11 +74,15 @@ def evaluate(export: Path, target: str, num_steps: int, **options) -> Evaluation
 
 
 @pytest.mark.parametrize("case", sorted(SERVED))
-def test_vllm_serves_what_evaluate_measures(case, vllm_python, tmp_path, one_thread):
+def test_vllm_serves_what_evaluate_measures(case, vllm_python, tmp_path_factory, tmp_path, one_thread):
     kind, num_steps = SERVED[case]
-    export = trained_export(case.split("-")[0], TARGETS[kind], tmp_path / "export")
-    builtin = evaluate(export, TARGETS[kind], num_steps)
-    served = evaluate(export, TARGETS[kind], num_steps, engine="vllm", vllm_python=vllm_python)
+    if kind.endswith(TIED_SUFFIX):
+        target = tied_target(kind.removesuffix(TIED_SUFFIX), tmp_path_factory.getbasetemp())
+    else:
+        target = TARGETS[kind]
+    export = trained_export(case.split("-")[0], target, tmp_path / "export")
+    builtin = evaluate(export, target, num_steps)
+    served = evaluate(export, target, num_steps, engine="vllm", vllm_python=vllm_python)
     assert builtin.lossless and served.lossless  # each engine's tokens equal the target's greedy decode
     assert served.generations == builtin.generations
     assert served.engine_info["vllm_version"] == "0.32.0"

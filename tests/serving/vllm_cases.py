@@ -14,14 +14,17 @@ import functools
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule, Eagle3Module
 from lightning_drafts.serving.decode import greedy_generate
-from lightning_drafts.shipped import MASK_TOKEN_ID, SPECIAL_TOKENS
+from lightning_drafts.shipped import MASK_TOKEN_ID, SPECIAL_TOKENS, resolve_shipped
 from lightning_drafts.training.module import DraftModule
 from tests.builders import packed_row, stack_rows
 
 TARGETS = {"llama": "shipped:tiny-llama", "qwen3": "shipped:tiny-qwen3"}
+# The tied variants (``<kind>-tied``) are written by :func:`tied_target` into a test's directory.
+TIED_SUFFIX = "-tied"
 VOCAB = 2048
 BLOCK = 4
 PROMPT_LENGTHS = [5, 9, 13, 7, 16, 11]
@@ -43,6 +46,27 @@ def self_distillation_batch(module: DraftModule) -> dict[str, torch.Tensor]:
     pairs = list(zip(documents[::2], documents[1::2], strict=True))
     width = max(len(a) + len(b) for a, b in pairs)
     return stack_rows([packed_row([a, b], width) for a, b in pairs])
+
+
+def tied_target(kind: str, directory: Path) -> str:
+    """A directory holding the shipped target of ``kind`` with its LM head tied to its input embedding
+    (``tie_word_embeddings``; the embedding takes the head's trained rows, so greedy text stays the
+    trained target's), its tokenizer beside it: what vLLM loads for a tied target such as SmolLM2."""
+    path = directory / f"{kind}{TIED_SUFFIX}"
+    if not (path / "config.json").is_file():
+        source = resolve_shipped(TARGETS[kind])
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    assert reloaded.config.tie_word_embeddings
+    assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
+    return str(path)
 
 
 def build_draft(family: str, target: str) -> DraftModule:
