@@ -30,6 +30,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -167,15 +168,18 @@ def main(argv: list[str] | None = None) -> None:
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     stages.run("prompts", write_prompts)
-    stages.run("convert", lambda: call([*CLI, "convert-gguf", str(gguf), str(folder), "--overwrite"], log))
+    # A folder left by a killed conversion is written again.
+    stages.run("convert", lambda: (shutil.rmtree(folder, ignore_errors=True), call(
+        [*CLI, "convert-gguf", str(gguf), str(folder)], log
+    )))  # fmt: skip
     config = ROOT / "configs" / "real" / "eagle3.yaml"
     regenerate = [
         *CLI, "regenerate", f"--config={config}", *target, f"--data.init_args.data_files={prompts}",
-        f"--output={train}", f"--max-new-tokens={args.max_new_tokens}", "--resume",
+        f"--output={train}", f"--max-new-tokens={args.max_new_tokens}",
     ]  # fmt: skip
     if engine == "vllm":
         regenerate += ["--engine", "vllm", "--target", str(folder)]
-    stages.run("regenerate", lambda: call(regenerate, log))
+    stages.run("regenerate", lambda: call([*regenerate, *(["--resume"] if train.exists() else [])], log))
 
     for family in args.families:
         runs = work / "runs"
