@@ -53,6 +53,8 @@ def test_a_real_config_fits_exports_and_validates_on_a_gguf_target(config, tiny_
         f"--model.init_args.target={gguf_path}",
         f"--data.init_args.tokenizer={gguf_path}",
         f"--data.init_args.data_files={data}",
+        # The tiny target's vocabulary is 2,048 ids; the EAGLE-3 config's draft vocabulary is SmolLM2-sized.
+        *(["--model.init_args.draft_vocab_size=1024"] if "draft_vocab_size" in config.read_text() else []),
         "--data.init_args.max_tokens=128",
         "--trainer.accelerator=cpu",
         # Few target forwards: each runs all 30 layers (the data match is tested on the shipped targets).
