@@ -363,6 +363,42 @@ MUTANTS: tuple[Mutant, ...] = (
         (SERVED + "[DSparkModule-nemo]",),
         "served blocks fill slots 1..K-1 with the pad id instead of the mask token",
     ),
+    # --- the GPU paths -------------------------------------------------------------------------------------
+    Mutant(
+        "block-spread-in-the-inputs-dtype",
+        "lightning_drafts/blockdraft/draft.py",
+        "flat = rows.new_zeros(like.shape[0] * like.shape[1], rows.shape[-1])",
+        "flat = like.new_zeros(like.shape[0] * like.shape[1], rows.shape[-1])",
+        (
+            "tests/families/test_needed_slots.py::"
+            "test_a_subset_layers_output_keeps_the_kernels_dtype_under_autocast",
+        ),
+        "float32 zeros take bf16 rows: CUDA's index_copy refuses them and a bf16-mixed block draft stops",
+    ),
+    Mutant(
+        "target-router-left-in-bf16",
+        "lightning_drafts/training/target.py",
+        "for name, master in self._float32_kept.items():",
+        "for name, master in {}.items():",
+        ("tests/training/test_rope_tables.py::test_the_moe_router_stays_float32_in_a_bf16_target",),
+        "a bf16 DeepSeek-V3 target routes with a bf16-rounded router: other experts than the served target's",
+    ),
+    Mutant(
+        "eagle3-rope-table-left-in-bf16",
+        "lightning_drafts/eagle3/rope.py",
+        "if self.inv_freq.dtype != torch.float32:",
+        "if False:",
+        ("tests/training/test_rope_tables.py::test_the_drafts_rope_tables_undo_an_in_place_buffer_cast",),
+        "after FSDP1's in-place buffer cast the EAGLE-3 draft rotates with a bf16 table",
+    ),
+    Mutant(
+        "mask-kind-blind-to-a-none",
+        "lightning_drafts/attention/backends.py",
+        'closed_over.append(mask_kind(value) if hasattr(value, "__code__") else value is None)',
+        'closed_over.append(mask_kind(value) if hasattr(value, "__code__") else False)',
+        ("tests/attention/test_compile_variants.py::test_mask_kinds_tell_apart_what_dynamo_guards",),
+        "a window and no window share one compiled entry point (a guard variant each)",
+    ),
 )
 
 
