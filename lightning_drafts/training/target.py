@@ -375,6 +375,50 @@ class FrozenTarget(nn.Module):
         return TargetOutput(hidden_states=hidden_states, last_hidden_state=last_hidden)
 
     @torch.no_grad()
+    def forward_with_mask(
+        self, input_ids: Tensor, position_ids: Tensor, allowed: Tensor, layer_ids: Sequence[int] = ()
+    ) -> TargetOutput:
+        """One sequence ``input_ids`` ``[T]`` at ``position_ids`` ``[T]`` where token ``i`` attends to token
+        ``j`` exactly where ``allowed[i, j]`` (bool ``[T, T]``): a speculative token tree verified in one
+        pass. Outputs are ``[1, T, H]`` as :meth:`forward`'s.
+
+        The mask is dense, so the decoder runs with transformers' own SDPA (or eager) attention for this
+        call, whatever backend packed batches use: the packed kernels take document ids, not a tree."""
+        if getattr(self, "decoder_released", False):
+            raise ValueError(
+                "the target's decoder was released (target_decoder=False); it cannot verify a tree"
+            )
+        width = input_ids.numel()
+        if allowed.shape != (width, width) or position_ids.shape != (width,):
+            raise ValueError(
+                f"a masked forward of {width} tokens needs position_ids [{width}] and allowed [{width}, {width}], "
+                f"got {tuple(position_ids.shape)} and {tuple(allowed.shape)}"
+            )
+        self._check_layer_ids(layer_ids)
+        self.keep_float32_tensors()
+        backend = "eager" if self._select_backend(input_ids.device) == "eager" else "sdpa"
+        mask = allowed[None, None]
+        captured: dict[int, Tensor] = {}
+        hooks = [
+            self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)
+        ]
+        self.model.set_attn_implementation(HF_ATTENTION[backend])
+        try:
+            with _evaluating(self.model):
+                last_hidden = self._decoder(
+                    input_ids=input_ids[None],
+                    position_ids=position_ids[None],
+                    attention_mask=additive_mask(mask, self.model.dtype) if backend == "eager" else mask,
+                )
+        finally:
+            self.model.set_attn_implementation(HF_ATTENTION[self.backend])
+            for hook in hooks:
+                hook.remove()
+        return TargetOutput(
+            hidden_states=tuple(captured[i] for i in layer_ids), last_hidden_state=last_hidden
+        )
+
+    @torch.no_grad()
     def features(self, packed: PackedBatch, request: FeatureRequest) -> dict[str, Tensor]:
         """The feature keys of :mod:`lightning_drafts.core.target_features` that ``request`` names for
         ``packed``'s rows, from one forward: zero on padding and where the final state is not needed (what
