@@ -72,10 +72,12 @@ class DraftTree:
     Attributes:
         tokens: long ``[N]``, target vocabulary ids.
         parents: long ``[N]``, the index of each node's parent among the nodes, ``-1`` for the root.
+        scores: ``[N]`` each node's cumulative draft log-probability, when the drafter scored it.
     """
 
     tokens: Tensor
     parents: Tensor
+    scores: Tensor | None = None
 
     @classmethod
     def chain(cls, tokens: Tensor) -> DraftTree:
@@ -174,7 +176,7 @@ def grow_tree(
             f"a kept draft node lost its parent (scores {torch.cat(pool_scores).tolist()}): the draft's "
             "log-probabilities must be finite and <= 0"
         )
-    return DraftTree(to_target(torch.cat(pool_ids)[kept]), parents)
+    return DraftTree(to_target(torch.cat(pool_ids)[kept]), parents, torch.cat(pool_scores)[kept])
 
 
 def _best(values: Tensor, count: int) -> tuple[Tensor, Tensor]:
