@@ -37,9 +37,10 @@ from lightning_drafts.serving.prompt_sets import (
 )
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
 from lightning_drafts.serving.sampling import Sampling
+from lightning_drafts.serving.tree_sweep import sweep_markdown, write_sweep
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
 from lightning_drafts.shipped import resolve_shipped
-from lightning_drafts.workflows.evaluate import evaluate_export
+from lightning_drafts.workflows.evaluate import evaluate_export, sweep_export
 
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
 DEFAULT_VAL_FRACTION = 0.02
@@ -54,28 +55,22 @@ def evaluate_main(args: list[str]) -> None:
     target, seed = target_spec(parsed.target, config)
     prompts = _prompts(parsed, config)
     conversations = bool(prompts) and isinstance(prompts[0], Conversation)
+    if parsed.sweep:
+        _sweep(parsed, prompts, target, seed, conversations, config)
+        return
     report = evaluate_export(
         parsed.export_dir,
         prompts,
-        target=target,
-        max_new_tokens=parsed.max_new_tokens,
         num_steps=parsed.num_steps,
-        stop_token_ids=[] if parsed.ignore_eos else None,
         with_training_estimate=not parsed.no_training_estimate,
-        check_lossless=parsed.check_lossless,
-        target_seed=parsed.target_seed if parsed.target_seed is not None else seed,
-        target_attn_backend=parsed.target_attn_backend,
-        target_dtype=parsed.target_dtype,
-        device=parsed.device,
         engine=parsed.engine,
         vllm_python=parsed.vllm_python,
-        progress=True,
-        tokenizer=_tokenizer(parsed, config, target) if conversations else None,
-        baseline=not parsed.no_baseline,
         ngram=parsed.engine == "vllm" and not parsed.no_ngram,
-        max_prompt_tokens=parsed.max_prompt_tokens,
+        **_served_options(parsed, target, seed, conversations, config),
         sampling=Sampling(parsed.temperature, parsed.top_p) if parsed.temperature > 0 else None,
         seed=parsed.seed,
+        topk=parsed.topk,
+        num_draft_tokens=parsed.num_draft_tokens,
     )
     print(report.format_table())
     if parsed.no_card:
@@ -91,6 +86,56 @@ def evaluate_main(args: list[str]) -> None:
     if parsed.out:
         print("wrote {} and {}".format(*report.write_results(parsed.out)))
     if report.lossless is False:
+        raise SystemExit("speculative decoding did not reproduce the target's greedy output (see the table)")
+
+
+def _served_options(
+    parsed: argparse.Namespace, target: Any, seed: int | None, conversations: bool, config: dict[str, Any]
+) -> dict[str, Any]:
+    """The options a single evaluation and a sweep share."""
+    return {
+        "target": target,
+        "max_new_tokens": parsed.max_new_tokens,
+        "stop_token_ids": [] if parsed.ignore_eos else None,
+        "check_lossless": parsed.check_lossless,
+        "target_seed": parsed.target_seed if parsed.target_seed is not None else seed,
+        "target_attn_backend": parsed.target_attn_backend,
+        "target_dtype": parsed.target_dtype,
+        "device": parsed.device,
+        "progress": True,
+        "tokenizer": _tokenizer(parsed, config, target) if conversations else None,
+        "baseline": not parsed.no_baseline,
+        "max_prompt_tokens": parsed.max_prompt_tokens,
+    }
+
+
+def _sweep(
+    parsed: argparse.Namespace,
+    prompts: list[Tensor] | list[Conversation],
+    target: Any,
+    seed: int | None,
+    conversations: bool,
+    config: dict[str, Any],
+) -> None:
+    """``--sweep``: the grid of tree settings, one table; the model card is left as it is."""
+    given = [name for name in ("num_steps", "topk", "num_draft_tokens") if getattr(parsed, name) is not None]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"--sweep serves its own grid of tree settings; drop {flags}")
+    if parsed.engine != "builtin" or parsed.temperature > 0:
+        raise ValueError(
+            "--sweep runs in the built-in engine's greedy decode; drop --engine vllm / --temperature"
+        )
+    rows = sweep_export(
+        parsed.export_dir,
+        prompts,
+        **_served_options(parsed, target, seed, conversations, config),
+    )
+    print(sweep_markdown(rows))
+    title = f"Tree settings served from {parsed.export_dir} on {_prompt_source(parsed)} (greedy, the built-in decode)"
+    if parsed.out:
+        print("wrote {} and {}".format(*write_sweep(rows, parsed.out, title)))
+    if any(row.lossless is False for row in rows):
         raise SystemExit("speculative decoding did not reproduce the target's greedy output (see the table)")
 
 
@@ -164,6 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument(
         "--num-steps", type=positive_int, default=None, help="tokens drafted per round (family default)"
+    )
+    parser.add_argument(
+        "--topk",
+        type=positive_int,
+        default=None,
+        help="draft SGLang's token trees: children kept per leaf (--speculative-eagle-topk), with "
+        "--num-draft-tokens; --num-steps is the depth (built-in engine, greedy)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=positive_int,
+        default=None,
+        help="tree nodes the target verifies per round, the root included (--speculative-num-draft-tokens)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="serve a grid of (num_steps, topk, num_draft_tokens) tree settings on the same prompts and print "
+        "(--out: write sweep.json, sweep.md) acceptance and draft tokens verified per round",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument(

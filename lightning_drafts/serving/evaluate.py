@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_drafts.core.checks import check_int
 from lightning_drafts.serving.conversation_prompts import turn_prompt
 from lightning_drafts.serving.decode import Generation, as_prompt, greedy_generate, speculative_generate
+from lightning_drafts.serving.draft_tree import TreeShape
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
 from lightning_drafts.serving.family import DraftFamily, Speculator
 from lightning_drafts.serving.progress import announce, map_with_progress
@@ -74,6 +75,8 @@ def evaluate_family_export(
     max_prompt_tokens: int | None = None,
     sampling: Sampling | None = None,
     seed: int = 0,
+    topk: int | None = None,
+    num_draft_tokens: int | None = None,
 ) -> EvaluationReport:
     """Validate, load and serve ``family``'s export in ``export_dir`` on ``prompts``; report served vs
     training acceptance.
@@ -105,6 +108,9 @@ def evaluate_family_export(
         sampling: sample (temperature, top-p) instead of greedy decoding, with speculative sampling's
             acceptance rule (:mod:`lightning_drafts.serving.sampling`); the built-in engine only. Request
             ``i`` of a turn draws from a generator seeded ``seed + i`` (with the draft and without alike).
+        topk, num_draft_tokens: draft SGLang's token trees (``--speculative-eagle-topk``,
+            ``--speculative-num-draft-tokens``; ``num_steps`` is their depth), verified greedily in the
+            built-in engine (:mod:`lightning_drafts.serving.draft_tree`); both or neither.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is unknown; choose one of {ENGINES}")
@@ -118,6 +124,17 @@ def evaluate_family_export(
         raise ValueError(
             "a sampled decode matches the target's distribution, not its tokens: drop check_lossless or the "
             "sampling"
+        )
+    trees = topk is not None or num_draft_tokens is not None
+    if trees and (topk is None or num_draft_tokens is None):
+        raise ValueError(
+            f"topk={topk}, num_draft_tokens={num_draft_tokens}: tree drafting needs both (SGLang's "
+            "--speculative-eagle-topk and --speculative-num-draft-tokens)"
+        )
+    if trees and (engine != "builtin" or sampling is not None):
+        raise ValueError(
+            "tree drafting (topk, num_draft_tokens) runs in the built-in engine's greedy decode only; drop "
+            "engine='vllm' / the sampling, or the tree settings"
         )
     if ngram and engine != "vllm":
         raise ValueError("ngram=True measures vLLM's n-gram speculator: it needs engine='vllm'")
@@ -135,6 +152,7 @@ def evaluate_family_export(
     summary = family.validate(directory, frozen)
     steps = family.default_num_steps(config) if num_steps is None else num_steps
     check_int("num_steps", steps, 1, hint="tokens proposed per verify round")
+    tree = None if topk is None or num_draft_tokens is None else TreeShape(steps, topk, num_draft_tokens)
     stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
     speculator = family.load_speculator(directory, frozen, steps)
     baseline = baseline or any(len(c.turns) > 1 for c in conversations)
@@ -169,6 +187,7 @@ def evaluate_family_export(
             progress,
             sampling,
             seed,
+            tree,
         )
 
     requests: list[ServedRequest] = []
@@ -255,6 +274,8 @@ def evaluate_family_export(
         ),
         speed_engine=_speed_engine(engine, engine_info, frozen),
         sampling=sampling,
+        tree=tree,
+        proposed=[list(g.proposed) for g in generations],
     )
 
 
@@ -273,6 +294,7 @@ def _serve_builtin(
     progress: bool,
     sampling: Sampling | None = None,
     seed: int = 0,
+    tree: TreeShape | None = None,
 ) -> _Phase:
     """Each prompt decoded speculatively (and, with ``baseline``, by the target alone), one at a time, timed;
     with ``sampling``, prompt ``i`` draws from a generator seeded ``seed + i``."""
@@ -291,7 +313,7 @@ def _serve_builtin(
         lambda i: timed(
             "draft",
             i,
-            lambda p, g: speculative_generate(frozen, speculator, p, max_new_tokens, stop, sampling, g),
+            lambda p, g: speculative_generate(frozen, speculator, p, max_new_tokens, stop, sampling, g, tree),
         ),
         range(len(prompts)),
         "speculative decoding",

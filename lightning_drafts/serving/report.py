@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_drafts.core.acceptance import AcceptanceStats
 from lightning_drafts.serving.decode import Generation
+from lightning_drafts.serving.draft_tree import TreeShape
 from lightning_drafts.serving.export_files import ExportSummary
 from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.served_table import (
@@ -161,6 +162,8 @@ class EvaluationReport:
     table: list[ServedRow] = field(default_factory=list)
     speed_engine: str = "the built-in decode"
     sampling: Sampling | None = None
+    tree: TreeShape | None = None
+    proposed: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,7 +225,9 @@ class EvaluationReport:
         return "\n".join(lines)
 
     def decoding(self) -> str:
-        """Greedy, or the sampling settings."""
+        """Greedy (with the tree settings, if trees were drafted), or the sampling settings."""
+        if self.tree is not None:
+            return f"greedy, trees of {self.tree.label()}"
         if self.sampling is None:
             return "greedy"
         return f"sampled at temperature {self.sampling.temperature}, top_p {self.sampling.top_p}"

@@ -16,7 +16,7 @@ from lightning_drafts.cli.main import main
 from lightning_drafts.workflows.evaluate import evaluate_export
 from tests.builders import TINY_TARGETS, random_docs
 from tests.families.cases import CASES, FAMILIES
-from tests.families.eagle3.cases import STEPS
+from tests.families.eagle3.cases import STEPS, perfect_module, perfect_prompts, repeating_target
 from tests.families.family_case import FamilyCase
 
 pytestmark = [
@@ -152,3 +152,94 @@ def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_o
     ):
         evaluate_cli._datamodule(no_split, from_config)
     assert made[-1]["val_fraction"] == evaluate_cli.DEFAULT_VAL_FRACTION
+
+
+def test_cli_evaluate_serves_trees_and_sweeps_tree_settings(tmp_path, capsys):
+    """``--topk``/``--num-draft-tokens`` serve one tree setting, ``--sweep`` a grid on the same prompts: the
+    perfect draft's chains are accepted whole, so a top-1 row matches the chain decode of its depth, and
+    every round of a tree verifies all its num_draft_tokens - 1 nodes."""
+    module = perfect_module(Eagle3Module, "llama")
+    export = module.export(tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p.tolist()) for p in perfect_prompts(module)[:2]))
+    repeating_target("llama").save_pretrained(tmp_path / "target")  # the perfect draft's target
+    common = ["evaluate", str(export), "--prompts", str(prompts), "--max-new-tokens", "8", "--ignore-eos"]
+    common += ["--target", str(tmp_path / "target")]
+    common += ["--check-lossless", "--no-card", "--no-training-estimate", "--no-baseline"]
+    main(
+        [
+            *common,
+            "--num-steps",
+            "3",
+            "--topk",
+            "2",
+            "--num-draft-tokens",
+            "5",
+            "--json",
+            str(tmp_path / "t.json"),
+        ]
+    )
+    assert "greedy, trees of steps 3, topk 2, draft tokens 5" in capsys.readouterr().out
+    tree = json.loads((tmp_path / "t.json").read_text())
+    assert tree["tree"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 5} and tree["lossless"] is True
+    assert {p for request in tree["proposed"] for p in request} == {4}
+
+    main([*common, "--sweep", "--out", str(tmp_path / "sweep")])
+    printed = capsys.readouterr().out
+    rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows] == [
+        (3, 1, 4),
+        (5, 1, 6),
+        (3, 4, 8),
+        (5, 4, 8),
+        (5, 4, 16),
+        (5, 8, 32),
+    ]
+    assert "| 5 | 8 | 32 |" in printed and (tmp_path / "sweep" / "sweep.md").read_text().count("\n| ") == 7
+    for row in rows:
+        assert row["lossless"] is True and row["draft_tokens_per_round"] == row["num_draft_tokens"] - 1
+        if row["topk"] == 1:
+            chain = evaluate_export(
+                export,
+                perfect_prompts(module)[:2],
+                target=module.target,
+                max_new_tokens=8,
+                stop_token_ids=(),
+                num_steps=row["num_steps"],
+                with_training_estimate=False,
+            )
+            assert row["accept_len_pooled"] == chain.served.accept_len
+            assert row["accept_len_per_request"] == chain.served.accept_len_per_request
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--topk", "2"], "tree drafting needs both"),
+        (["--sweep", "--topk", "2"], "--sweep serves its own grid of tree settings; drop --topk"),
+        (["--topk", "2", "--num-draft-tokens", "40", "--num-steps", "2"], r"num_draft_tokens = 40"),
+    ],
+)
+def test_cli_evaluate_refuses_incomplete_tree_settings(options, message, tmp_path, capsys):
+    module = perfect_module(Eagle3Module, "llama")
+    export = module.export(tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(perfect_prompts(module)[0].tolist()))
+    repeating_target("llama").save_pretrained(tmp_path / "target")
+    with pytest.raises(SystemExit) as raised:
+        main(
+            [
+                "evaluate",
+                str(export),
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "2",
+                "--no-card",
+                "--target",
+                str(tmp_path / "target"),
+                *options,
+            ]
+        )
+    assert raised.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
