@@ -125,7 +125,9 @@ def speculative_generate(
     of that shape (:mod:`lightning_drafts.serving.draft_tree`), verified greedily; ``proposed`` then counts
     the tree's nodes, the draft tokens the target verified."""
     if tree is not None and not isinstance(speculator, TreeSpeculator):
-        raise ValueError(f"{type(speculator).__name__} drafts chains only; drop the tree settings (topk)")
+        raise ValueError(
+            f"{type(speculator).__name__} drafts no trees (only EAGLE-3 does); drop the tree settings (topk)"
+        )
     if tree is not None and sampling is not None:
         raise ValueError(
             "tree drafting verifies greedily only; drop the sampling or the tree settings (topk)"

@@ -173,7 +173,7 @@ def test_tree_rounds_refuse_what_they_cannot_do():
         def propose(self, prefix):
             return torch.zeros(2, dtype=torch.long)
 
-    with pytest.raises(ValueError, match="ChainOnly drafts chains only"):
+    with pytest.raises(ValueError, match="ChainOnly drafts no trees"):
         speculative_generate(target, ChainOnly(), prompt, 4, tree=TreeShape(2, 2, 3))
     speculator = ScriptedTree(list(range(40)), prompt.numel())
     with pytest.raises(ValueError, match="5 nodes; steps 3, topk 2, draft tokens 4 allows 1..3"):
