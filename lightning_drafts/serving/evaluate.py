@@ -146,13 +146,13 @@ def evaluate_family_export(
     directory = Path(export_dir)
     say = announce if progress else (lambda message: None)
     config = read_export(directory).config
+    steps = family.default_num_steps(config) if num_steps is None else num_steps
+    check_int("num_steps", steps, 1, hint="tokens proposed per verify round")
+    tree = None if topk is None or num_draft_tokens is None else TreeShape(steps, topk, num_draft_tokens)
     say(f"evaluate: loading the target ({_target_name(target, config)})")
     frozen = resolve_target(target, config, directory, target_seed, target_attn_backend, target_dtype, device)
     say(f"evaluate: validating the export {directory}")
     summary = family.validate(directory, frozen)
-    steps = family.default_num_steps(config) if num_steps is None else num_steps
-    check_int("num_steps", steps, 1, hint="tokens proposed per verify round")
-    tree = None if topk is None or num_draft_tokens is None else TreeShape(steps, topk, num_draft_tokens)
     stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
     speculator = family.load_speculator(directory, frozen, steps)
     baseline = baseline or any(len(c.turns) > 1 for c in conversations)
