@@ -67,8 +67,6 @@ def evaluate_main(args: list[str]) -> None:
         vllm_python=parsed.vllm_python,
         ngram=parsed.engine == "vllm" and not parsed.no_ngram,
         **_served_options(parsed, target, seed, conversations, config),
-        sampling=Sampling(parsed.temperature, parsed.top_p) if parsed.temperature > 0 else None,
-        seed=parsed.seed,
         topk=parsed.topk,
         num_draft_tokens=parsed.num_draft_tokens,
     )
@@ -106,6 +104,8 @@ def _served_options(
         "tokenizer": _tokenizer(parsed, config, target) if conversations else None,
         "baseline": not parsed.no_baseline,
         "max_prompt_tokens": parsed.max_prompt_tokens,
+        "sampling": Sampling(parsed.temperature, parsed.top_p) if parsed.temperature > 0 else None,
+        "seed": parsed.seed,
     }
 
 
@@ -122,17 +122,18 @@ def _sweep(
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(f"--sweep serves its own grid of tree settings; drop {flags}")
-    if parsed.engine != "builtin" or parsed.temperature > 0:
-        raise ValueError(
-            "--sweep runs in the built-in engine's greedy decode; drop --engine vllm / --temperature"
-        )
+    if parsed.engine != "builtin":
+        raise ValueError("--sweep runs in the built-in engine; drop --engine vllm")
     rows = sweep_export(
         parsed.export_dir,
         prompts,
         **_served_options(parsed, target, seed, conversations, config),
     )
     print(sweep_markdown(rows))
-    title = f"Tree settings served from {parsed.export_dir} on {_prompt_source(parsed)} (greedy, the built-in decode)"
+    decoding = (
+        "greedy" if parsed.temperature <= 0 else f"temperature {parsed.temperature}, top_p {parsed.top_p}"
+    )
+    title = f"Tree settings served from {parsed.export_dir} on {_prompt_source(parsed)} ({decoding}, the built-in decode)"
     if parsed.out:
         print("wrote {} and {}".format(*write_sweep(rows, parsed.out, title)))
     if any(row.lossless is False for row in rows):

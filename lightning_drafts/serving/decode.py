@@ -13,8 +13,9 @@ whole sequence each round, fine for tiny and mid-size targets). One **round**:
 
 A tree round (:mod:`lightning_drafts.serving.draft_tree`, SGLang's top-k trees) proposes a token tree
 instead; one target pass under the tree's ancestor mask checks every node, and the accepted tokens are the
-longest root-to-node path of matches. A chain is the tree whose every node has one child: both kinds of
-round share this loop, the verify pass and the walk.
+longest root-to-node path of matches (sampled: :func:`~lightning_drafts.serving.sampling.verify_sampled`).
+A chain is the tree whose every node has one child: both kinds of round share this loop, the verify pass
+and the acceptance rules.
 
 So every emitted token is the target's greedy token: the output equals the target's own greedy decode
 (lossless), whatever the draft does. A round's acceptance length is ``accepted + 1``; the mean over rounds
@@ -122,15 +123,11 @@ def speculative_generate(
     """Greedy speculative decoding of ``prompt``: lossless by construction (see the module docstring).
     With ``sampling``, speculative sampling (:mod:`lightning_drafts.serving.sampling`): every emitted token
     is distributed as the target's own sampling would draw it. With ``tree``, the speculator drafts trees
-    of that shape (:mod:`lightning_drafts.serving.draft_tree`), verified greedily; ``proposed`` then counts
-    the tree's nodes, the draft tokens the target verified."""
+    of that shape (:mod:`lightning_drafts.serving.draft_tree`), verified greedily or by the same sampling
+    rule; ``proposed`` then counts the tree's nodes, the draft tokens the target verified."""
     if tree is not None and not isinstance(speculator, TreeSpeculator):
         raise ValueError(
             f"{type(speculator).__name__} drafts no trees (only EAGLE-3 does); drop the tree settings (topk)"
-        )
-    if tree is not None and sampling is not None:
-        raise ValueError(
-            "tree drafting verifies greedily only; drop the sampling or the tree settings (topk)"
         )
     stop = set(stop_token_ids)
     layer_ids = tuple(speculator.target_layer_ids)
@@ -159,8 +156,8 @@ def speculative_generate(
             emitted = torch.cat([draft.tokens[path], last[None]])
         else:
             probs = sampling.probabilities(target.logits(verified.last_hidden_state[context - 1 :]))
-            count, chosen = verify_sampled(probs, draft.tokens, generator)
-            path, emitted = list(range(count)), tokens.new_tensor(chosen)
+            path, chosen = verify_sampled(probs, draft, generator)
+            emitted = tokens.new_tensor(chosen)
         accepted.append(len(path))
         proposed.append(int(draft.tokens.numel()))
         generated.extend(int(t) for t in emitted)

@@ -109,8 +109,8 @@ def evaluate_family_export(
             acceptance rule (:mod:`lightning_drafts.serving.sampling`); the built-in engine only. Request
             ``i`` of a turn draws from a generator seeded ``seed + i`` (with the draft and without alike).
         topk, num_draft_tokens: draft SGLang's token trees (``--speculative-eagle-topk``,
-            ``--speculative-num-draft-tokens``; ``num_steps`` is their depth), verified greedily in the
-            built-in engine (:mod:`lightning_drafts.serving.draft_tree`); both or neither.
+            ``--speculative-num-draft-tokens``; ``num_steps`` is their depth), verified in the built-in
+            engine (:mod:`lightning_drafts.serving.draft_tree`), greedy or sampled; both or neither.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is unknown; choose one of {ENGINES}")
@@ -131,10 +131,10 @@ def evaluate_family_export(
             f"topk={topk}, num_draft_tokens={num_draft_tokens}: tree drafting needs both (SGLang's "
             "--speculative-eagle-topk and --speculative-num-draft-tokens)"
         )
-    if trees and (engine != "builtin" or sampling is not None):
+    if trees and engine != "builtin":
         raise ValueError(
-            "tree drafting (topk, num_draft_tokens) runs in the built-in engine's greedy decode only; drop "
-            "engine='vllm' / the sampling, or the tree settings"
+            "tree drafting (topk, num_draft_tokens) runs in the built-in engine only (vLLM 0.32's CPU build "
+            "drafts chains); drop engine='vllm' or the tree settings"
         )
     if ngram and engine != "vllm":
         raise ValueError("ngram=True measures vLLM's n-gram speculator: it needs engine='vllm'")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_drafts.serving.draft_tree import DraftTree
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -53,17 +55,33 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify_sampled(
-    probs: Tensor, proposal: Tensor, generator: torch.Generator | None
-) -> tuple[int, list[int]]:
-    """Speculative sampling of one round (module docstring): ``probs[j]`` ``[k + 1, V]`` is the target's
-    distribution at proposed position ``j`` (row ``k``: after the whole proposal). Returns how many
-    proposed tokens were accepted and the tokens to emit (those, then the residual or bonus token)."""
-    for j, token in enumerate(int(t) for t in proposal):
-        p = probs[j]
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[token]):
-            continue
+    probs: Tensor, tree: DraftTree, generator: torch.Generator | None
+) -> tuple[list[int], list[int]]:
+    """Speculative sampling of one round over a token tree, SGLang's rule for drafts that propose without
+    probabilities (a chain is the tree of one child per node, where it is the module docstring's rule).
+
+    ``probs[0]`` ``[V]`` is the target's distribution after the root, ``probs[1 + i]`` after node ``i``. At
+    the current node one uniform coin is drawn and its children are tried in order: the first child whose
+    running sum of target probabilities exceeds the coin is accepted, so child ``x`` is accepted with
+    probability ``p(x)``. When none is, the emitted token is drawn from ``p`` without the children; at a
+    leaf, from ``p``. Either way the token after the current node is distributed as ``p``. Returns the
+    accepted nodes (root side first) and the tokens to emit (theirs, then the drawn one).
+    """
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    path: list[int] = []
+    node = -1
+    while children := [i for i, parent in enumerate(parents) if parent == node]:
+        p = probs[node + 1]
+        coin = float(torch.rand((), generator=generator, dtype=torch.float64))
+        mass = torch.cumsum(p[[tokens[c] for c in children]], 0)
         residual = p.clone()
-        residual[token] = 0  # max(0, p - q) for q the point mass on the proposed token
-        return j, [int(t) for t in proposal[:j]] + [draw(residual / residual.sum(), generator)]
-    count = int(proposal.numel())
-    return count, [int(t) for t in proposal] + [draw(probs[count], generator)]
+        residual[[tokens[c] for c in children]] = 0
+        # Rounding can leave a coin above children that hold all of p's mass: the last of them is then
+        # the one the coin falls on.
+        hit = [c for c, m in zip(children, mass.tolist(), strict=True) if coin < m]
+        if not hit and float(residual.sum()) > 0:
+            chosen = draw(residual / residual.sum(), generator)
+            return path, [tokens[n] for n in path] + [chosen]
+        node = hit[0] if hit else children[-1]
+        path.append(node)
+    return path, [tokens[n] for n in path] + [draw(probs[node + 1], generator)]

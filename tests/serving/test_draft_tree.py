@@ -11,7 +11,6 @@ from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.serving.decode import greedy_generate, speculative_generate
 from lightning_drafts.serving.draft_tree import DraftTree, TreeShape, TreeSpeculator, grow_tree
 from lightning_drafts.serving.family import VerifiedPrefix
-from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.training.target import FrozenTarget
 from tests.builders import VOCAB, random_docs
 from tests.families.eagle3.cases import sharpened_target
@@ -178,5 +177,3 @@ def test_tree_rounds_refuse_what_they_cannot_do():
     speculator = ScriptedTree(list(range(40)), prompt.numel())
     with pytest.raises(ValueError, match="5 nodes; steps 3, topk 2, draft tokens 4 allows 1..3"):
         speculative_generate(target, speculator, prompt, 4, tree=TreeShape(3, 2, 4))
-    with pytest.raises(ValueError, match="tree drafting verifies greedily only"):
-        speculative_generate(target, speculator, prompt, 4, sampling=Sampling(0.7), tree=TreeShape(3, 2, 6))

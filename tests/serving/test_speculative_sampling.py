@@ -1,6 +1,6 @@
 """Speculative sampling keeps the target's distribution: on a tiny target (6 ids, so every 3-token
-continuation can be enumerated), the sampled speculative decode's continuations are distributed as the
-target's own sampling, computed exactly from its probabilities.
+continuation can be enumerated), the sampled speculative decode's continuations, of chains and of token
+trees, are distributed as the target's own sampling, computed exactly from its probabilities.
 
 The target's head is sharpened (its weights x15) so that a few continuations carry most of the mass: the
 draft's first proposal (the likeliest token) is then mostly accepted and its second mostly rejected, and a
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from lightning_drafts.serving.decode import greedy_generate, speculative_generate
+from lightning_drafts.serving.draft_tree import DraftTree, TreeShape
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.serving.sampling import Sampling, verify_sampled
 from lightning_drafts.training.target import FrozenTarget
@@ -88,7 +89,8 @@ def tv_bound(exact: dict[tuple[int, ...], float], n: int) -> float:
     return mean + math.sqrt(math.log(1 / DELTA) / (2 * n))
 
 
-def test_speculative_sampling_draws_the_targets_own_distribution():
+@pytest.mark.parametrize("tree", [None, TreeShape(2, 2, 7)], ids=["chain", "tree"])
+def test_speculative_sampling_draws_the_targets_own_distribution(tree):
     torch.manual_seed(3)
     target = FrozenTarget(TARGET, attn_backend="sdpa")
     with torch.no_grad():
@@ -100,12 +102,15 @@ def test_speculative_sampling_draws_the_targets_own_distribution():
     rounds: list[int] = []
     samples = []
     for _ in range(SAMPLES):
-        generation = speculative_generate(target, ArgmaxThenNext(), prompt, NEW, (), SAMPLING, generator)
+        speculator = ArgmaxThenNext() if tree is None else TopTwoTree()
+        generation = speculative_generate(target, speculator, prompt, NEW, (), SAMPLING, generator, tree)
         samples.append(tuple(generation.tokens))
         rounds += generation.accepted
     bound = tv_bound(exact, SAMPLES)
     assert total_variation(samples, exact) < bound, (total_variation(samples, exact), bound)
     assert {0, 1, 2} <= set(rounds)  # rejections at either proposed token, and full acceptances
+    if tree is not None:
+        return
     # The target alone, sampled (the baseline evaluate times), on fewer samples.
     plain = [
         tuple(greedy_generate(target, prompt, NEW, (), SAMPLING, generator)) for _ in range(SAMPLES // 4)
@@ -122,5 +127,38 @@ def test_the_acceptance_rule_emits_each_token_with_its_target_probability():
     generator = torch.Generator().manual_seed(1)
     exact = {(i,): float(p[i]) for i in range(5)}
     for proposed in (0, 2, 4):
-        first = [(verify_sampled(probs, torch.tensor([proposed]), generator)[1][0],) for _ in range(n)]
+        chain = DraftTree.chain(torch.tensor([proposed]))
+        first = [(verify_sampled(probs, chain, generator)[1][0],) for _ in range(n)]
         assert total_variation(first, exact) < tv_bound(exact, n), proposed
+
+
+def test_the_tree_rule_emits_each_token_with_its_target_probability():
+    """Two children of the root, x then y: x is accepted with p(x), y with p(y) (one coin, running sums),
+    else a token is drawn from p without both; the emitted token is distributed as p for any pair, the
+    impossible token included. Drawing the residual with only the last rejected child removed, or
+    accepting each child with its own coin, fails this."""
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0], dtype=torch.float64)
+    probs = torch.stack([p, *[torch.full((5,), 0.2, dtype=torch.float64)] * 2])
+    n = 10000
+    generator = torch.Generator().manual_seed(2)
+    exact = {(i,): float(p[i]) for i in range(5)}
+    for pair in ((0, 1), (2, 0), (4, 3)):
+        tree = DraftTree(torch.tensor(pair), torch.tensor([-1, -1]))
+        first = [(verify_sampled(probs, tree, generator)[1][0],) for _ in range(n)]
+        assert total_variation(first, exact) < tv_bound(exact, n), pair
+
+
+class TopTwoTree:
+    """A deterministic tree: the target's two likeliest next tokens, each with two children (that token
+    + 1 and + 2): the second branch is taken whenever the coin passes the first child's mass."""
+
+    num_steps = 2
+    target_layer_ids = (0,)
+
+    def propose(self, prefix: VerifiedPrefix) -> torch.Tensor:
+        raise AssertionError("a tree round never asks for a chain")
+
+    def propose_tree(self, prefix: VerifiedPrefix, shape: TreeShape) -> DraftTree:
+        first, second = prefix.target.logits(prefix.last_hidden_state[-1]).topk(2).indices.tolist()
+        tokens = [first, second, (first + 1) % V, (first + 2) % V, (second + 1) % V, (second + 2) % V]
+        return DraftTree(torch.tensor(tokens), torch.tensor([-1, -1, 0, 0, 1, 1]))

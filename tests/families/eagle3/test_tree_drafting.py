@@ -13,12 +13,14 @@ from lightning_drafts.eagle3.speculate import Eagle3Speculator, load_speculator
 from lightning_drafts.serving.decode import greedy_generate, speculative_generate
 from lightning_drafts.serving.draft_tree import TreeShape
 from lightning_drafts.serving.family import VerifiedPrefix
+from lightning_drafts.serving.sampling import Sampling
 from tests.builders import random_docs
 from tests.eagle3_checks import frequencies
 from tests.families.eagle3.cases import perfect_module, perfect_prompts, sharpened_target, trained_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+SAMPLING = Sampling(temperature=0.8)
 SHAPES = [TreeShape(3, 2, 6), TreeShape(4, 3, 10), TreeShape(2, 4, 8), TreeShape(3, 1, 3)]
 
 
@@ -101,6 +103,14 @@ def test_topk_one_with_a_full_chain_is_the_chain_decode(trained, tmp_path):
         tree = speculative_generate(owner.target, drafter, prompt, 16, tree=TreeShape.chain(3))
         assert (tree.tokens, tree.accepted, tree.proposed) == (chain.tokens, chain.accepted, chain.proposed)
         accepted += chain.accepted
+        # Sampled, from the same seed: the same coins fall on the same tokens.
+        sampled = [
+            speculative_generate(
+                owner.target, drafter, prompt, 16, (), SAMPLING, torch.Generator().manual_seed(5), tree
+            )
+            for tree in (None, TreeShape.chain(3))
+        ]
+        assert (sampled[0].tokens, sampled[0].accepted) == (sampled[1].tokens, sampled[1].accepted)
     assert max(accepted) == 3  # the perfect draft's chains are accepted whole: every depth compared
 
 
