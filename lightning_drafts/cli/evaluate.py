@@ -124,11 +124,9 @@ def _sweep(
         raise ValueError(f"--sweep serves its own grid of tree settings; drop {flags}")
     if parsed.engine != "builtin":
         raise ValueError("--sweep runs in the built-in engine; drop --engine vllm")
-    rows = sweep_export(
-        parsed.export_dir,
-        prompts,
-        **_served_options(parsed, target, seed, conversations, config),
-    )
+    # The sweep shows no tokens/s: the target alone decodes only where later turns need its answers.
+    options = {**_served_options(parsed, target, seed, conversations, config), "baseline": False}
+    rows = sweep_export(parsed.export_dir, prompts, **options)
     print(sweep_markdown(rows))
     decoding = (
         "greedy" if parsed.temperature <= 0 else f"temperature {parsed.temperature}, top_p {parsed.top_p}"
