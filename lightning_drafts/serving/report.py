@@ -225,12 +225,12 @@ class EvaluationReport:
         return "\n".join(lines)
 
     def decoding(self) -> str:
-        """Greedy (with the tree settings, if trees were drafted), or the sampling settings."""
-        if self.tree is not None:
-            return f"greedy, trees of {self.tree.label()}"
+        """Greedy or the sampling settings, then the tree settings if trees were drafted."""
         if self.sampling is None:
-            return "greedy"
-        return f"sampled at temperature {self.sampling.temperature}, top_p {self.sampling.top_p}"
+            decoding = "greedy"
+        else:
+            decoding = f"sampled at temperature {self.sampling.temperature}, top_p {self.sampling.top_p}"
+        return decoding if self.tree is None else f"{decoding}, trees of {self.tree.label()}"
 
     def _engine_name(self) -> str:
         if self.engine == "vllm":

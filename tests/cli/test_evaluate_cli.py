@@ -183,6 +183,10 @@ def test_cli_evaluate_serves_trees_and_sweeps_tree_settings(tmp_path, capsys):
     tree = json.loads((tmp_path / "t.json").read_text())
     assert tree["tree"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 5} and tree["lossless"] is True
     assert {p for request in tree["proposed"] for p in request} == {4}
+    # Sampled (no lossless check: a sampled decode matches the target's distribution, not its tokens).
+    sampled = [a for a in common if a != "--check-lossless"] + ["--temperature", "0.7"]
+    main([*sampled, "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5"])
+    assert "sampled at temperature 0.7, top_p 1.0, trees of steps 3, topk 2" in capsys.readouterr().out
 
     main([*common, "--sweep", "--out", str(tmp_path / "sweep")])
     printed = capsys.readouterr().out
