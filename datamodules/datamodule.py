@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
 from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
+from lightning_drafts.datamodules.content_split import split_by_content
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
     embedded_corpus_dataset,
@@ -62,10 +63,13 @@ class PackedChatDataModule(LightningDataModule):
         max_tokens: row width of packed rows, and the length limit of a document.
         batch_size: rows per micro-batch (documents per micro-batch for ``"microbatch"`` and padded).
         packing: ``"buffer"`` (or True), ``"microbatch"``, or False for one padded document per row.
-        seed: seeds the per-epoch shuffle and the validation split.
+        seed: seeds the per-epoch shuffle and the validation split's hash.
         shuffle_buffer: documents per best-fit-decreasing window (``"buffer"`` packing).
         num_workers: DataLoader workers (collation is cheap; 0 is usually enough).
-        val_fraction: share of the documents held out for validation (ignored when ``val_data_files``).
+        val_fraction: share of the documents held out for validation (ignored when ``val_data_files``),
+            chosen by a hash of each document's content and ``seed`` (``datamodules/content_split.py``):
+            copies of one document always land on the same side, so validation never scores a
+            document the draft trained on, and the split is the same on every run.
         val_data_files: a separate validation source, in the same forms as ``data_files``.
         long_documents: ``"truncate"`` (keep the first ``max_tokens`` tokens) or ``"drop"``.
         num_proc: processes for the one-time tokenisation.
@@ -189,10 +193,9 @@ class PackedChatDataModule(LightningDataModule):
             val_corpus = self._tokenized(self.val_data_files)
             val_documents, val_malformed = val_corpus.documents, val_corpus.malformed
         elif self.val_fraction > 0:
-            order = np.random.default_rng(self.seed).permutation(len(documents))
-            held_out = max(1, round(self.val_fraction * len(documents)))
-            val_documents = documents.select(np.sort(order[:held_out]))
-            documents = documents.select(np.sort(order[held_out:]))
+            train_index, val_index = split_by_content(documents, self.val_fraction, self.seed)
+            val_documents = documents.select(val_index)
+            documents = documents.select(train_index)
 
         self.train_documents, self.stats["train"] = self._fit(documents, malformed)
         if val_documents is not None:
