@@ -159,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_NUM_PROMPTS})",
     )
     parser.add_argument(
-        "--max-prompt-tokens", type=positive_int, default=512, help="keep the last N prompt tokens"
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=512,
+        help="keep the last N tokens of a longer prompt (how many were cut is printed)",
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument(
@@ -216,13 +219,13 @@ def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]
         return conversations
     limit = parsed.num_prompts or DEFAULT_NUM_PROMPTS
     if parsed.prompts:
-        announce(f"evaluate: reading {limit} prompts from {parsed.prompts}")
         prompts = load_prompts_jsonl(parsed.prompts, limit)
-        return [p[-parsed.max_prompt_tokens :] for p in prompts]
+        announce(f"evaluate: {len(prompts)} prompts from {parsed.prompts}")
+        return prompts  # cut to --max-prompt-tokens by the evaluation, which counts the prompts it cuts
     datamodule = _datamodule(config, parsed)
     source = parsed.data_files or (config.get("data") and parsed.config) or "the embedded corpus"
     announce(f"evaluate: tokenising the held-out prompts of {source}")
-    prompts = prompts_from_datamodule(datamodule, limit, parsed.max_prompt_tokens)
+    prompts = prompts_from_datamodule(datamodule, limit)
     announce(f"evaluate: {len(prompts)} prompts")
     return prompts
 

@@ -71,6 +71,17 @@ def test_cli_evaluate_serves_an_export_with_the_target_it_records_or_one_given(
         assert report["generations"] == expected.generations
 
 
+def eagle3_export(target: dict, directory) -> str:
+    """An EAGLE-3 export of ``target`` with a vocabulary mapping and a head moved off its initialisation
+    (the validator refuses an untrained head)."""
+    torch.manual_seed(0)
+    counts = torch.randint(1, 50, (target["vocab_size"],), generator=torch.Generator().manual_seed(0))
+    module = Eagle3Module(target, ttt_length=STEPS, draft_vocab_size=64, token_frequencies=counts)
+    with torch.no_grad():
+        module.draft.lm_head.weight.mul_(1.5)
+    return module.export(directory)
+
+
 def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys, caplog):
     from lightning_drafts.datamodules import load_embedded_tokenizer
 
@@ -85,12 +96,7 @@ def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, caps
     ]
     (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(row) for row in chats))
     target = {**TINY_TARGETS["llama"], "vocab_size": 32000}  # the embedded tokenizer's vocabulary
-    torch.manual_seed(0)
-    counts = torch.randint(1, 50, (32000,), generator=torch.Generator().manual_seed(0))
-    module = Eagle3Module(target, ttt_length=STEPS, draft_vocab_size=64, token_frequencies=counts)
-    with torch.no_grad():
-        module.draft.lm_head.weight.mul_(1.5)
-    export = module.export(tmp_path / "draft")
+    export = eagle3_export(target, tmp_path / "draft")
     out = tmp_path / "report.json"
     with caplog.at_level(logging.INFO):
         main(
@@ -152,3 +158,44 @@ def test_evaluate_data_keeps_the_configs_tokenisation_and_warns_without_a_held_o
     ):
         evaluate_cli._datamodule(no_split, from_config)
     assert made[-1]["val_fraction"] == evaluate_cli.DEFAULT_VAL_FRACTION
+
+
+def test_cli_evaluate_counts_the_prompts_it_cuts_and_refuses_a_decode_past_the_targets_positions(
+    tmp_path, capsys, caplog
+):
+    export = eagle3_export(TINY_TARGETS["llama"], tmp_path / "draft")
+    long_prompts = [list(range(1, 4)), list(range(1, 11)), list(range(1, 21))]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in long_prompts))
+    out = tmp_path / "report.json"
+    with caplog.at_level(logging.INFO):
+        main(
+            ["evaluate", str(export), "--prompts", str(prompts), "--max-prompt-tokens", "8"]
+            + ["--max-new-tokens", "2", "--no-training-estimate", "--no-baseline", "--no-card"]
+            + ["--json", str(out)]
+        )
+    logged = [r.getMessage() for r in caplog.records]
+    # The file holds 3 prompts (fewer than the default --num-prompts): the true count is said.
+    assert "evaluate: 3 prompts from " + str(prompts) in logged, logged
+    assert (
+        "evaluate: 2 of 3 prompts were longer than max_prompt_tokens=8 and were served with their last 8 "
+        "tokens only; raise the limit with --max-prompt-tokens"
+    ) in logged
+    served = json.loads(out.read_text())["prompts"]
+    assert served == [long_prompts[0], long_prompts[1][-8:], long_prompts[2][-8:]]
+    capsys.readouterr()
+
+    # 8 prompt tokens + 250 new - 1 + 3 proposed = 260 positions, past the tiny Llama's 256.
+    assert TINY_TARGETS["llama"]["max_position_embeddings"] == 256 and STEPS == 3
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["evaluate", str(export), "--prompts", str(prompts), "--max-prompt-tokens", "8"]
+            + ["--max-new-tokens", "250", "--no-training-estimate", "--no-baseline", "--no-card"]
+        )
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()
+    assert error[0] == (
+        "lightning-drafts evaluate: error: prompt 2 of 3 has 8 tokens: with max_new_tokens=250 and "
+        "num_steps=3 the target would run over 260 positions, past its max_position_embeddings=256; lower "
+        "--max-new-tokens or --max-prompt-tokens"
+    )
