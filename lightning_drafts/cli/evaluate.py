@@ -27,7 +27,7 @@ from lightning_drafts.cli.counts import positive_int
 from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.export_files import read_export
-from lightning_drafts.serving.model_card import has_card, results_section, update_results
+from lightning_drafts.serving.model_card import has_card, record_results
 from lightning_drafts.serving.progress import announce
 from lightning_drafts.serving.prompt_sets import (
     PROMPT_SETS,
@@ -81,7 +81,7 @@ def evaluate_main(args: list[str]) -> None:
     if parsed.no_card:
         pass
     elif has_card(parsed.export_dir):
-        print(f"updated {update_results(parsed.export_dir, results_section(report, _prompt_source(parsed)))}")
+        print(record_results(parsed.export_dir, report, _prompt_source(parsed)))
     else:
         print(
             f"{parsed.export_dir} has no model card (README.md) to update; `lightning-drafts export` writes one"

@@ -14,6 +14,7 @@ import torch
 from lightning_drafts import Eagle3Module
 from lightning_drafts.cli.main import main
 from lightning_drafts.workflows.evaluate import evaluate_export
+from lightning_drafts.workflows.export import export_module
 from tests.builders import TINY_TARGETS, random_docs
 from tests.families.cases import CASES, FAMILIES
 from tests.families.eagle3.cases import STEPS
@@ -79,7 +80,7 @@ def eagle3_export(target: dict, directory) -> str:
     module = Eagle3Module(target, ttt_length=STEPS, draft_vocab_size=64, token_frequencies=counts)
     with torch.no_grad():
         module.draft.lm_head.weight.mul_(1.5)
-    return module.export(directory)
+    return export_module(module, directory)
 
 
 def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys, caplog):
@@ -199,3 +200,39 @@ def test_cli_evaluate_counts_the_prompts_it_cuts_and_refuses_a_decode_past_the_t
         "num_steps=3 the target would run over 260 positions, past its max_position_embeddings=256; lower "
         "--max-new-tokens or --max-prompt-tokens"
     )
+
+
+def test_a_smaller_evaluate_run_never_replaces_the_cards_measurement(tmp_path, capsys):
+    export = eagle3_export(TINY_TARGETS["llama"], tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(list(range(1, n))) for n in (4, 6, 8)))
+    card = tmp_path / "draft" / "README.md"
+
+    def evaluate(num_prompts: int, new_tokens: int) -> str:
+        main(
+            ["evaluate", str(export), "--prompts", str(prompts), "--num-prompts", str(num_prompts)]
+            + ["--max-new-tokens", str(new_tokens), "--ignore-eos", "--no-training-estimate", "--no-baseline"]
+        )
+        return capsys.readouterr().out.splitlines()[-1]
+
+    def served(text: str) -> list[str]:
+        section = text.split("<!-- lightning-drafts: served results -->")[1]
+        return re.findall(r"\| prompts \| (\d+) from", section)
+
+    said = evaluate(3, 4)
+    assert said.startswith("updated ") and "(3 prompts, 12 tokens)" in said
+    measured = card.read_text()
+    # A throw-away run on one prompt: the 3-prompt measurement stays first, the small run beside it.
+    said = evaluate(1, 4)
+    assert said.startswith("kept the served acceptance") and "measured on 3 prompts, 12 tokens" in said
+    text = card.read_text()
+    assert served(text) == ["3", "1"]
+    assert text.split("### A later, smaller run")[0] == measured.split("<!-- /lightning-drafts")[0] + "\n"
+    assert "### A later, smaller run (1 prompts, 4 tokens)" in text
+    # As many prompts but fewer tokens is smaller too; a second small run replaces the first one beside.
+    evaluate(3, 2)
+    assert served(card.read_text()) == ["3", "3"]
+    # At least as many prompts and tokens: it replaces both.
+    said = evaluate(3, 5)
+    assert said.startswith("updated ") and served(card.read_text()) == ["3"]
+    assert "smaller run" not in card.read_text()
