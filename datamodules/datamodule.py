@@ -17,7 +17,7 @@ import numpy as np
 from datasets.fingerprint import Hasher
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
 from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
@@ -41,8 +41,8 @@ from lightning_drafts.datamodules.tokenize import (
     tokenize_rows,
     tokenizer_fingerprint,
 )
+from lightning_drafts.datamodules.tokenizer_files import load_tokenizer
 from lightning_drafts.gguf import is_gguf, load_gguf_tokenizer
-from lightning_drafts.shipped import resolve_shipped
 
 logger = logging.getLogger("lightning_drafts.datamodules")
 
@@ -535,7 +535,7 @@ def _load_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerBase | Non
     if is_gguf(tokenizer):
         return load_gguf_tokenizer(tokenizer)
     if isinstance(tokenizer, (str, os.PathLike)):
-        return AutoTokenizer.from_pretrained(resolve_shipped(str(tokenizer)))
+        return load_tokenizer(str(tokenizer))
     raise ValueError(
         f"tokenizer={tokenizer!r} must be a path, a hub id, a transformers tokenizer, or None for the embedded one"
     )

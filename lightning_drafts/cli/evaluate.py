@@ -38,7 +38,6 @@ from lightning_drafts.serving.prompt_sets import (
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_datamodule
 from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
-from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export
 
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
@@ -233,9 +232,8 @@ def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]
 def _tokenizer(parsed: argparse.Namespace, config: dict[str, Any], target: Any) -> Any:
     """The tokenizer that renders text prompts: ``--tokenizer``, the config's data tokenizer (with its chat
     template), else the target's own (the target given, or the one the export records)."""
-    from transformers import AutoTokenizer
-
     from lightning_drafts.datamodules.templates import resolve_chat_template
+    from lightning_drafts.datamodules.tokenizer_files import load_tokenizer
 
     data = dict(((config.get("data") or {}).get("init_args")) or {})
     spec = parsed.tokenizer or data.get("tokenizer") or target
@@ -246,7 +244,14 @@ def _tokenizer(parsed: argparse.Namespace, config: dict[str, Any], target: Any) 
             "text prompts need a tokenizer with a chat template and the target is not a hub id or path; "
             "pass --tokenizer"
         )
-    tokenizer = AutoTokenizer.from_pretrained(resolve_shipped(spec))
+    option = (
+        "--tokenizer"
+        if parsed.tokenizer
+        else "data.init_args.tokenizer"
+        if data.get("tokenizer")
+        else "--target"
+    )
+    tokenizer = load_tokenizer(spec, option)
     template = data.get("chat_template") if parsed.tokenizer is None else None
     tokenizer.chat_template = resolve_chat_template(template, tokenizer)
     return tokenizer

@@ -217,3 +217,26 @@ def test_roles_out_of_order_are_refused_naming_file_line_and_order(tmp_path, cap
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(f"{files}:3: roles out of order: user after user (field messages[1].role)")
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_with_what_to_pass(tmp_path):
+    from lightning_drafts.shipped import shipped_target_path
+
+    weights_only = tmp_path / "model"
+    weights_only.mkdir()
+    (weights_only / "config.json").write_text((shipped_target_path("tiny-llama") / "config.json").read_text())
+    with pytest.raises(ValueError) as refused:
+        PackedChatDataModule(tokenizer=str(weights_only), cache_dir=str(tmp_path / "cache"))
+    message = str(refused.value)
+    assert message.startswith(
+        f"tokenizer={str(weights_only)!r}: the folder {weights_only} has no tokenizer files ("
+    )
+    assert "it holds config.json); pass the folder or hub id the model's tokenizer came with" in message
+    assert "sentencepiece or tiktoken installed" not in message and "\n" not in message
+    # The same folder with the tokenizer's files loads.
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (weights_only / name).write_bytes((shipped_target_path("tiny-llama") / name).read_bytes())
+    assert (
+        PackedChatDataModule(tokenizer=str(weights_only), cache_dir=str(tmp_path / "cache")).vocab_size
+        == 2048
+    )
