@@ -66,6 +66,16 @@ def test_debug_or_the_environment_variable_gives_the_traceback(tmp_path, monkeyp
             "model.init_args.ttt_length (lightning_drafts.Eagle3Module): expected int. Got value: many",
         ),
         ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+        (
+            "--model.init_args.learning_rate=nan",
+            "model.init_args.learning_rate (lightning_drafts.Eagle3Module): nan is not a finite number (YAML "
+            "reads nan and inf as text, not floats); give a finite number",
+        ),
+        (
+            "--model.init_args.learning_rate=-inf",
+            "model.init_args.learning_rate (lightning_drafts.Eagle3Module): -inf is not a finite number (YAML "
+            "reads nan and inf as text, not floats); give a finite number",
+        ),
     ],
 )
 def test_a_bad_option_names_the_option_in_one_line(override, message, tmp_path, capsys, monkeypatch):
