@@ -33,6 +33,7 @@ _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
 _GIVEN = re.compile(r"Given value: (.*)")
 _GOT = re.compile(r"Got value: (.*)$")
+_REQUIRED = re.compile(r"^the following arguments are required: ([\w., ]+)$")
 _TYPE = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 
 Result = TypeVar("Result")
@@ -81,6 +82,13 @@ def describe(error: BaseException) -> str:
         message = f"{value} is not a finite number (YAML reads nan and inf as text, not floats); give a finite number"
     elif given and "value" not in message.lower():
         message += f"; given: {given[0]}"
+    missing = _REQUIRED.match(message)
+    if missing and {name.rpartition(".")[2] for name in missing.group(1).split(", ")} <= {"model", "data"}:
+        # `fit` / `validate` without a config: the model and data a config names are what is missing.
+        message = (
+            "no config: pass --config FILE, a fit config naming the model and the data (configs/quickstart/"
+            f"eagle3.yaml is one), or both --model and --data (missing: {missing.group(1)})"
+        )
     return f"{where}: {message}" if where else message
 
 

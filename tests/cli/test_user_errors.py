@@ -183,3 +183,13 @@ def test_hyperparameters_a_checkpoint_records_are_refused_naming_the_checkpoint(
     assert line == f"lightning-drafts export: error: {named}", line
     line = fails(capsys, monkeypatch, *fit(tmp_path, f"--ckpt_path={path}"))[-2]
     assert line == f"lightning-drafts fit: error: {named}"
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_fit_without_a_config_says_to_pass_one(command, capsys, monkeypatch):
+    (line,) = fails(capsys, monkeypatch, command, "--trainer.max_steps=3")
+    assert line == (
+        f"lightning-drafts {command}: error: no config: pass --config FILE, a fit config naming the model and "
+        "the data (configs/quickstart/eagle3.yaml is one), or both --model and --data (missing: "
+        f"{command}.data, {command}.model)"
+    )
