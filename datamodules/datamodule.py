@@ -581,6 +581,8 @@ def _load_chat_files(
         return rows, rows._fingerprint, None, RowLocations(name=f"{paths[0]} (train split)")
     builders = set()
     for path in paths:
+        if Path(path).is_dir():
+            raise ValueError(_directory_given(Path(path)))
         name = path.removesuffix(".gz")
         builder = next((b for ext, b in _FILE_BUILDERS.items() if name.endswith(ext)), None)
         if builder is None:
@@ -607,6 +609,22 @@ def _load_chat_files(
     )
     rows, fingerprint, read = read_chat_files(expanded, strict)
     return rows, fingerprint, read, RowLocations(name=", ".join(paths), listed=tuple(read.where))
+
+
+def _directory_given(directory: Path) -> str:
+    """Why a directory is not a data file, with the glob that reads the files it holds."""
+    counts: Counter = Counter()
+    for child in directory.iterdir():
+        name = child.name.removesuffix(".gz")
+        ext = next((ext for ext in _FILE_BUILDERS if name.endswith(ext)), None)
+        if child.is_file() and ext is not None:
+            counts[ext] += 1
+    held = ", ".join(f"{n} {ext} file{'s' if n > 1 else ''}" for ext, n in counts.most_common())
+    ext = counts.most_common(1)[0][0] if counts else ".jsonl"
+    return (
+        f"data file {str(directory)!r} is a directory (it holds {held or 'no .json, .jsonl or .parquet file'}); "
+        f"pass its files with a glob, data_files: {str(directory / ('*' + ext))!r}, or a list of files"
+    )
 
 
 def _looks_like_hub_id(path: str) -> bool:

@@ -240,3 +240,18 @@ def test_a_model_folder_without_tokenizer_files_is_named_with_what_to_pass(tmp_p
         PackedChatDataModule(tokenizer=str(weights_only), cache_dir=str(tmp_path / "cache")).vocab_size
         == 2048
     )
+
+
+def test_a_directory_as_data_files_names_the_glob_to_pass(tmp_path):
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    for name in ("a.jsonl", "b.jsonl", "c.json"):
+        write_lines(folder / name, [good_line()])
+    with pytest.raises(ValueError) as refused:
+        data(str(folder), tmp_path)
+    assert str(refused.value) == (
+        f"data file {str(folder)!r} is a directory (it holds 2 .jsonl files, 1 .json file); pass its files with "
+        f"a glob, data_files: {str(folder / '*.jsonl')!r}, or a list of files"
+    )
+    # The glob it names reads them.
+    assert data(str(folder / "*.jsonl"), tmp_path).stats["train"]["documents"] == 2
