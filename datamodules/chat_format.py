@@ -46,7 +46,7 @@ class MalformedRow(Exception):
 def normalize_conversation(row: Mapping[str, Any], require_answers: bool = True) -> list[dict[str, str]]:
     """The row's conversation as ``[{"role", "content"}, ...]`` with roles in :data:`ROLES`.
 
-    Raises :class:`MalformedRow` for an unknown role, a content that is neither a string nor a list of
+    Raises :class:`MalformedRow` for an unknown role, roles out of order (see :func:`_check_order`), a content that is neither a string nor a list of
     text parts, an empty conversation or one without an assistant turn (nothing to supervise), and, with
     ``require_answers``, an empty assistant answer: its only supervised token would be the end-of-turn
     marker, teaching the draft to stop at once (``regenerate``, which writes the answers, passes False).
@@ -63,6 +63,7 @@ def normalize_conversation(row: Mapping[str, Any], require_answers: bool = True)
     messages = [read(turn, f"{key}[{index}]") for index, turn in enumerate(turns)]
     if not messages:
         raise MalformedRow("empty conversation", key)
+    _check_order(messages, key)
     if not any(message["role"] == "assistant" for message in messages):
         raise MalformedRow("no assistant turn", f"{key}[*].{'role' if key == 'messages' else 'from'}")
     if require_answers:
@@ -71,6 +72,24 @@ def normalize_conversation(row: Mapping[str, Any], require_answers: bool = True)
                 text = "content" if key == "messages" else "value"
                 raise MalformedRow("empty assistant answer", f"{key}[{index}].{text}")
     return messages
+
+
+def _check_order(messages: list[dict[str, str]], key: str) -> None:
+    """Refuse roles out of the order every chat template accepts: an optional system message first, then
+    user and assistant turns in turn, the user's first. A lenient template renders two user turns in a
+    row or an assistant turn first without a word, a strict one (Mistral's) refuses them at serving, and
+    a draft trained on them learns a conversation no engine sends."""
+    role_field = "role" if key == "messages" else "from"
+    previous = "system"
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role == "system" and index == 0:
+            continue
+        expected = "user" if previous in ("system", "assistant") else "assistant"
+        if role != expected:
+            found = f"{role} first" if index == 0 or previous == "system" else f"{role} after {previous}"
+            raise MalformedRow(f"roles out of order: {found}", f"{key}[{index}].{role_field}")
+        previous = role
 
 
 def _as_list(value: Any, field: str) -> list:

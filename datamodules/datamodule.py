@@ -17,10 +17,11 @@ import numpy as np
 from datasets.fingerprint import Hasher
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
 from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
+from lightning_drafts.datamodules.content_split import split_by_content
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
     embedded_corpus_dataset,
@@ -40,8 +41,8 @@ from lightning_drafts.datamodules.tokenize import (
     tokenize_rows,
     tokenizer_fingerprint,
 )
+from lightning_drafts.datamodules.tokenizer_files import load_tokenizer
 from lightning_drafts.gguf import is_gguf, load_gguf_tokenizer
-from lightning_drafts.shipped import resolve_shipped
 
 logger = logging.getLogger("lightning_drafts.datamodules")
 
@@ -62,10 +63,13 @@ class PackedChatDataModule(LightningDataModule):
         max_tokens: row width of packed rows, and the length limit of a document.
         batch_size: rows per micro-batch (documents per micro-batch for ``"microbatch"`` and padded).
         packing: ``"buffer"`` (or True), ``"microbatch"``, or False for one padded document per row.
-        seed: seeds the per-epoch shuffle and the validation split.
+        seed: seeds the per-epoch shuffle and the validation split's hash.
         shuffle_buffer: documents per best-fit-decreasing window (``"buffer"`` packing).
         num_workers: DataLoader workers (collation is cheap; 0 is usually enough).
-        val_fraction: share of the documents held out for validation (ignored when ``val_data_files``).
+        val_fraction: share of the documents held out for validation (ignored when ``val_data_files``),
+            chosen by a hash of each document's content and ``seed`` (``datamodules/content_split.py``):
+            copies of one document always land on the same side, so validation never scores a
+            document the draft trained on, and the split is the same on every run.
         val_data_files: a separate validation source, in the same forms as ``data_files``.
         long_documents: ``"truncate"`` (keep the first ``max_tokens`` tokens) or ``"drop"``.
         num_proc: processes for the one-time tokenisation.
@@ -189,10 +193,9 @@ class PackedChatDataModule(LightningDataModule):
             val_corpus = self._tokenized(self.val_data_files)
             val_documents, val_malformed = val_corpus.documents, val_corpus.malformed
         elif self.val_fraction > 0:
-            order = np.random.default_rng(self.seed).permutation(len(documents))
-            held_out = max(1, round(self.val_fraction * len(documents)))
-            val_documents = documents.select(np.sort(order[:held_out]))
-            documents = documents.select(np.sort(order[held_out:]))
+            train_index, val_index = split_by_content(documents, self.val_fraction, self.seed)
+            val_documents = documents.select(val_index)
+            documents = documents.select(train_index)
 
         self.train_documents, self.stats["train"] = self._fit(documents, malformed)
         if val_documents is not None:
@@ -532,7 +535,7 @@ def _load_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerBase | Non
     if is_gguf(tokenizer):
         return load_gguf_tokenizer(tokenizer)
     if isinstance(tokenizer, (str, os.PathLike)):
-        return AutoTokenizer.from_pretrained(resolve_shipped(str(tokenizer)))
+        return load_tokenizer(str(tokenizer))
     raise ValueError(
         f"tokenizer={tokenizer!r} must be a path, a hub id, a transformers tokenizer, or None for the embedded one"
     )
@@ -578,6 +581,8 @@ def _load_chat_files(
         return rows, rows._fingerprint, None, RowLocations(name=f"{paths[0]} (train split)")
     builders = set()
     for path in paths:
+        if Path(path).is_dir():
+            raise ValueError(_directory_given(Path(path)))
         name = path.removesuffix(".gz")
         builder = next((b for ext, b in _FILE_BUILDERS.items() if name.endswith(ext)), None)
         if builder is None:
@@ -604,6 +609,22 @@ def _load_chat_files(
     )
     rows, fingerprint, read = read_chat_files(expanded, strict)
     return rows, fingerprint, read, RowLocations(name=", ".join(paths), listed=tuple(read.where))
+
+
+def _directory_given(directory: Path) -> str:
+    """Why a directory is not a data file, with the glob that reads the files it holds."""
+    counts: Counter = Counter()
+    for child in directory.iterdir():
+        name = child.name.removesuffix(".gz")
+        ext = next((ext for ext in _FILE_BUILDERS if name.endswith(ext)), None)
+        if child.is_file() and ext is not None:
+            counts[ext] += 1
+    held = ", ".join(f"{n} {ext} file{'s' if n > 1 else ''}" for ext, n in counts.most_common())
+    ext = counts.most_common(1)[0][0] if counts else ".jsonl"
+    return (
+        f"data file {str(directory)!r} is a directory (it holds {held or 'no .json, .jsonl or .parquet file'}); "
+        f"pass its files with a glob, data_files: {str(directory / ('*' + ext))!r}, or a list of files"
+    )
 
 
 def _looks_like_hub_id(path: str) -> bool:

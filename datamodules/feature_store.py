@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -235,7 +235,17 @@ class SourceFeatures:
 
     def _handle(self, index: int) -> Any:
         if index not in self._handles:
-            self._handles[index] = safe_open(str(self.paths[index]), framework="pt")
+            path = self.paths[index]
+            try:
+                self._handles[index] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as error:
+                # A shard is renamed into place whole, so a damaged one was cut short or changed since
+                # (a copy that stopped, a full disk): the capture rewrites a shard that is not there.
+                state = f"{path.stat().st_size:,} bytes, unreadable" if path.exists() else "missing"
+                raise ValueError(
+                    f"feature shard {path} is {state} ({str(error).splitlines()[0]}); delete it and run the "
+                    "same `lightning-drafts capture` again: it rewrites the shards that are not there"
+                ) from error
         return self._handles[index]
 
     def gather(self, documents: Documents, placement: Placement) -> dict[str, Tensor]:

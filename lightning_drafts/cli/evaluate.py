@@ -27,7 +27,7 @@ from lightning_drafts.cli.counts import positive_int
 from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.export_files import read_export
-from lightning_drafts.serving.model_card import has_card, results_section, update_results
+from lightning_drafts.serving.model_card import has_card, record_results
 from lightning_drafts.serving.progress import announce
 from lightning_drafts.serving.prompt_sets import (
     PROMPT_SETS,
@@ -39,7 +39,6 @@ from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_da
 from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.tree_sweep import sweep_markdown, write_sweep
 from lightning_drafts.serving.vllm_engine import VLLM_PYTHON_ENV
-from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export, sweep_export
 
 # The quickstart configs hold out this share of the embedded corpus, so the default prompts are unseen.
@@ -74,7 +73,7 @@ def evaluate_main(args: list[str]) -> None:
     if parsed.no_card:
         pass
     elif has_card(parsed.export_dir):
-        print(f"updated {update_results(parsed.export_dir, results_section(report, _prompt_source(parsed)))}")
+        print(record_results(parsed.export_dir, report, _prompt_source(parsed)))
     else:
         print(
             f"{parsed.export_dir} has no model card (README.md) to update; `lightning-drafts export` writes one"
@@ -203,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_NUM_PROMPTS})",
     )
     parser.add_argument(
-        "--max-prompt-tokens", type=positive_int, default=512, help="keep the last N prompt tokens"
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=512,
+        help="keep the last N tokens of a longer prompt (how many were cut is printed)",
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument(
@@ -279,13 +281,13 @@ def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]
         return conversations
     limit = parsed.num_prompts or DEFAULT_NUM_PROMPTS
     if parsed.prompts:
-        announce(f"evaluate: reading {limit} prompts from {parsed.prompts}")
         prompts = load_prompts_jsonl(parsed.prompts, limit)
-        return [p[-parsed.max_prompt_tokens :] for p in prompts]
+        announce(f"evaluate: {len(prompts)} prompts from {parsed.prompts}")
+        return prompts  # cut to --max-prompt-tokens by the evaluation, which counts the prompts it cuts
     datamodule = _datamodule(config, parsed)
     source = parsed.data_files or (config.get("data") and parsed.config) or "the embedded corpus"
     announce(f"evaluate: tokenising the held-out prompts of {source}")
-    prompts = prompts_from_datamodule(datamodule, limit, parsed.max_prompt_tokens)
+    prompts = prompts_from_datamodule(datamodule, limit)
     announce(f"evaluate: {len(prompts)} prompts")
     return prompts
 
@@ -293,9 +295,8 @@ def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor]
 def _tokenizer(parsed: argparse.Namespace, config: dict[str, Any], target: Any) -> Any:
     """The tokenizer that renders text prompts: ``--tokenizer``, the config's data tokenizer (with its chat
     template), else the target's own (the target given, or the one the export records)."""
-    from transformers import AutoTokenizer
-
     from lightning_drafts.datamodules.templates import resolve_chat_template
+    from lightning_drafts.datamodules.tokenizer_files import load_tokenizer
 
     data = dict(((config.get("data") or {}).get("init_args")) or {})
     spec = parsed.tokenizer or data.get("tokenizer") or target
@@ -306,7 +307,14 @@ def _tokenizer(parsed: argparse.Namespace, config: dict[str, Any], target: Any) 
             "text prompts need a tokenizer with a chat template and the target is not a hub id or path; "
             "pass --tokenizer"
         )
-    tokenizer = AutoTokenizer.from_pretrained(resolve_shipped(spec))
+    option = (
+        "--tokenizer"
+        if parsed.tokenizer
+        else "data.init_args.tokenizer"
+        if data.get("tokenizer")
+        else "--target"
+    )
+    tokenizer = load_tokenizer(spec, option)
     template = data.get("chat_template") if parsed.tokenizer is None else None
     tokenizer.chat_template = resolve_chat_template(template, tokenizer)
     return tokenizer

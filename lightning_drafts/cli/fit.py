@@ -21,6 +21,7 @@ from lightning_drafts.cli.resume import resume_into_same_run
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
 from lightning_drafts.training.module import DraftModule
+from lightning_drafts.workflows.checkpoint_hyperparameters import naming_checkpoint
 
 # A bad option raises (an ArgumentError naming the option) instead of printing the whole usage and
 # exiting: the command reports it in one message (cli.user_errors), a notebook gets an exception.
@@ -51,6 +52,11 @@ class DraftCLI(LightningCLI):
             if class_path:
                 check_family(checkpoint, _class_path_of(class_path), where=str(ckpt_path))
         super()._parse_ckpt_path()
+
+    def instantiate_classes(self) -> None:
+        section = (self.config[self.subcommand] if self.subcommand else self.config) or {}
+        with naming_checkpoint(section.get("ckpt_path")):
+            super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand == "validate":

@@ -12,6 +12,7 @@ propagate with its traceback; an error that is not a user's mistake (a bug) alwa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -31,6 +32,8 @@ _WRAPPING_PACKAGES = ("jsonargparse", "argparse.py")
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
 _GIVEN = re.compile(r"Given value: (.*)")
+_GOT = re.compile(r"Got value: (.*)$")
+_REQUIRED = re.compile(r"^the following arguments are required: ([\w., ]+)$")
 _TYPE = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 
 Result = TypeVar("Result")
@@ -72,9 +75,28 @@ def describe(error: BaseException) -> str:
     given = [
         value for value in _GIVEN.findall(wrappers) if not value.startswith(("Namespace(", "NestedArg("))
     ]
-    if given and "value" not in message.lower():
+    got = _GOT.search(message)
+    value = got.group(1).strip() if got else given[0] if given else ""
+    if message.startswith("expected float") and _not_finite(value):
+        # YAML reads nan and inf as text, so jsonargparse's "expected float" names a float Python reads.
+        message = f"{value} is not a finite number (YAML reads nan and inf as text, not floats); give a finite number"
+    elif given and "value" not in message.lower():
         message += f"; given: {given[0]}"
+    missing = _REQUIRED.match(message)
+    if missing and {name.rpartition(".")[2] for name in missing.group(1).split(", ")} <= {"model", "data"}:
+        # `fit` / `validate` without a config: the model and data a config names are what is missing.
+        message = (
+            "no config: pass --config FILE, a fit config naming the model and the data (configs/quickstart/"
+            f"eagle3.yaml is one), or both --model and --data (missing: {missing.group(1)})"
+        )
     return f"{where}: {message}" if where else message
+
+
+def _not_finite(text: str) -> bool:
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:

@@ -30,6 +30,7 @@ from lightning_drafts.serving.draft_tree import TreeShape
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
 from lightning_drafts.serving.family import DraftFamily, Speculator
 from lightning_drafts.serving.progress import announce, map_with_progress
+from lightning_drafts.serving.prompt_limits import check_positions, cut_prompts, report_cut_prompts
 from lightning_drafts.serving.prompt_sets import Conversation
 from lightning_drafts.serving.report import EvaluationReport, served_acceptance, training_estimate
 from lightning_drafts.serving.sampling import Sampling
@@ -104,7 +105,9 @@ def evaluate_family_export(
             speculation (always done for conversations of several turns: their later turns need the
             target's own answers).
         ngram: with ``engine="vllm"``, also serve the prompts with vLLM's n-gram speculator.
-        max_prompt_tokens: keep the last tokens of each rendered conversation prompt.
+        max_prompt_tokens: keep the last tokens of each prompt (token ids or a rendered conversation
+            turn); how many prompts were cut is logged as a warning. A prompt whose decode would pass the
+            target's ``max_position_embeddings`` is refused before any decode.
         sampling: sample (temperature, top-p) instead of greedy decoding, with speculative sampling's
             acceptance rule (:mod:`lightning_drafts.serving.sampling`); the built-in engine only. Request
             ``i`` of a turn draws from a generator seeded ``seed + i`` (with the draft and without alike).
@@ -190,8 +193,10 @@ def evaluate_family_export(
             tree,
         )
 
+    max_positions = getattr(frozen.text_config, "max_position_embeddings", None)
     requests: list[ServedRequest] = []
     prompt_tensors: list[Tensor] = []
+    prompts_cut = 0
     phases: list[_Phase] = []
     if conversations:
         answers: list[list[list[int]]] = [[] for _ in conversations]
@@ -199,21 +204,27 @@ def evaluate_family_export(
             asked = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
             say(f"evaluate: turn {turn + 1} of {len(asked)} conversations")
             phase_requests = [_request(conversations[i], turn) for i in asked]
-            phase_prompts = [
-                as_prompt(
-                    turn_prompt(tokenizer, conversations[i], answers[i], stop, max_prompt_tokens), frozen
-                )
-                for i in asked
-            ]
+            phase_prompts, cut = cut_prompts(
+                [
+                    as_prompt(turn_prompt(tokenizer, conversations[i], answers[i], stop), frozen)
+                    for i in asked
+                ],
+                max_prompt_tokens,
+            )
+            prompts_cut += cut
+            check_positions(phase_prompts, max_new_tokens, steps, max_positions)
             phase = serve(phase_prompts, phase_requests)
             for i, own in zip(asked, phase.outputs.get("target", phase.outputs["draft"]), strict=True):
                 answers[i].append(own)  # the target's own answer, asked about in the next turn
             requests += phase_requests
             prompt_tensors += phase_prompts
             phases.append(phase)
+        report_cut_prompts(prompts_cut, len(prompt_tensors), max_prompt_tokens)
     else:
         requests = [ServedRequest(TOKEN_PROMPTS, "all", str(i), 1) for i in range(len(prompts))]
-        prompt_tensors = [as_prompt(p, frozen) for p in prompts]
+        prompt_tensors, prompts_cut = cut_prompts([as_prompt(p, frozen) for p in prompts], max_prompt_tokens)
+        check_positions(prompt_tensors, max_new_tokens, steps, max_positions)
+        report_cut_prompts(prompts_cut, len(prompt_tensors), max_prompt_tokens)
         phases.append(serve(prompt_tensors, requests))
     generations = [g for phase in phases for g in phase.generations]
     outputs = {mode: [o for phase in phases for o in phase.outputs[mode]] for mode in phases[0].outputs}

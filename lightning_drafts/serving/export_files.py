@@ -8,6 +8,7 @@ one ``ValueError`` that lists every defect, each naming the config field or tens
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -87,6 +88,10 @@ def check_destination(output_dir: str | Path, overwrite: bool) -> list[str]:
     return present
 
 
+class DiskFull(OSError):
+    """The disk filled while an export was written (one line: the export's path and the bytes free)."""
+
+
 @contextmanager
 def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Path]:
     """A temporary directory beside ``output_dir`` to write an export into; when the block ends without
@@ -106,8 +111,16 @@ def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Pa
             try:
                 with private_output(staging):
                     yield staging
-            except ValueError as error:
-                raise ValueError(str(error).replace(str(staging), str(output))) from error
+            except (ValueError, DiskFull) as error:
+                raise type(error)(str(error).replace(str(staging), str(output))) from error
+            except (SafetensorError, OSError) as error:
+                if not _disk_full(error):
+                    raise
+                shutil.rmtree(staging, ignore_errors=True)  # what was written of it, so the figure is true
+                raise DiskFull(
+                    f"no space left on the disk of {output}: {shutil.disk_usage(output.parent).free:,} bytes free "
+                    "there (nothing of the export was kept); free space there or export to another disk"
+                ) from error
             if not output.exists():
                 os.chmod(staging, 0o755)
                 staging.rename(output)
@@ -119,6 +132,13 @@ def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Pa
                 os.replace(path, output / path.name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _disk_full(error: BaseException) -> bool:
+    # safetensors reports a full disk as its own error, with the OS error's text.
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return f"os error {errno.ENOSPC})" in str(error)
 
 
 def write_export(

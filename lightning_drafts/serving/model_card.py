@@ -8,6 +8,7 @@ acceptance and its settings); the validators read ``config.json`` and the weight
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ RESULTS_END = "<!-- /lightning-drafts: served results -->"
 NO_RESULTS = (
     "Not evaluated yet: `lightning-drafts evaluate DIR --config FIT.yaml` writes its served acceptance here."
 )
+# Heads the part of the served-results section that a smaller run writes beside the card's measurement.
+SMALLER_RUN = "### A later, smaller run"
+_PROMPTS_ROW = re.compile(r"^\| prompts \| ([\d,]+) from", re.MULTILINE)
+_TOKENS_ROW = re.compile(r"^\| verify rounds / generated tokens \| [\d,]+ / ([\d,]+) \|", re.MULTILINE)
 # hparams that say how the module was built, not what the draft is.
 NOT_SETTINGS = {"target", "tokenizer_vocab_size", "pad_token_id", "token_frequencies"}
 
@@ -234,6 +239,50 @@ def update_results(directory: str | Path, results: str) -> Path:
     tail = rest.split(RESULTS_END, 1)[1]
     path.write_text(f"{head}{RESULTS_BEGIN}\n{results.strip()}\n{RESULTS_END}{tail}")
     return path
+
+
+def record_results(directory: str | Path, report: EvaluationReport, prompts: str) -> str:
+    """Write ``report``'s served acceptance into the card of ``directory``, and say what was done.
+
+    A run with at least as many prompts and generated tokens as the card's measurement replaces it (and
+    any smaller run kept beside it). A smaller one (a quick check on one prompt) leaves the measurement
+    in place and is written beside it, under :data:`SMALLER_RUN`, so a throw-away run never replaces a
+    measurement that took an hour; the card says which is which.
+    """
+    path = Path(directory) / CARD_FILE
+    section = results_section(report, prompts)
+    earlier = _current_results(path).split(SMALLER_RUN, 1)[0].strip()
+    measured = _measured(earlier)
+    size = f"{report.num_prompts:,} prompts, {report.generated_tokens:,} tokens"
+    if measured is None or (report.num_prompts >= measured[0] and report.generated_tokens >= measured[1]):
+        update_results(directory, section)
+        return f"updated {path} with this run's served acceptance ({size})"
+    kept = f"{measured[0]:,} prompts, {measured[1]:,} tokens"
+    beside = (
+        f"{SMALLER_RUN} ({size})\n\nThis run measured fewer prompts or tokens than the one above ({kept}), "
+        "which stays this card's served acceptance; a run with at least as many prompts and tokens replaces "
+        f"both.\n\n{section}"
+    )
+    update_results(directory, f"{earlier}\n\n{beside}")
+    return (
+        f"kept the served acceptance of {path} measured on {kept} and wrote this smaller run ({size}) beside "
+        "it; run at least as many prompts and tokens to replace it"
+    )
+
+
+def _current_results(path: Path) -> str:
+    text = path.read_text() if path.is_file() else ""
+    if RESULTS_BEGIN not in text or RESULTS_END not in text:
+        return ""
+    return text.split(RESULTS_BEGIN, 1)[1].split(RESULTS_END, 1)[0]
+
+
+def _measured(section: str) -> tuple[int, int] | None:
+    """``(prompts, generated tokens)`` of a served-results section, or ``None`` when it holds none."""
+    prompts, tokens = _PROMPTS_ROW.search(section), _TOKENS_ROW.search(section)
+    if prompts is None or tokens is None:
+        return None
+    return int(prompts.group(1).replace(",", "")), int(tokens.group(1).replace(",", ""))
 
 
 def results_section(report: EvaluationReport, prompts: str) -> str:

@@ -15,6 +15,7 @@ from lightning_drafts.serving.model_card import TrainingFacts
 from lightning_drafts.training.checkpoint_integrity import check_digests
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import FrozenTarget
+from lightning_drafts.workflows.checkpoint_hyperparameters import naming_checkpoint
 
 
 def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None) -> DraftModule:
@@ -42,7 +43,8 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None
     overrides = {"shard_target": False, "activation_checkpointing": False}
     if target is not None:
         overrides["target"] = target
-    return draft_class.load_from_checkpoint(checkpoint_path, map_location="cpu", **overrides)
+    with naming_checkpoint(checkpoint_path):
+        return draft_class.load_from_checkpoint(checkpoint_path, map_location="cpu", **overrides)
 
 
 def export_checkpoint(

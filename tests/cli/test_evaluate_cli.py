@@ -14,6 +14,7 @@ import torch
 from lightning_drafts import Eagle3Module
 from lightning_drafts.cli.main import main
 from lightning_drafts.workflows.evaluate import evaluate_export
+from lightning_drafts.workflows.export import export_module
 from tests.builders import TINY_TARGETS, random_docs
 from tests.families.cases import CASES, FAMILIES
 from tests.families.eagle3.cases import STEPS, perfect_module, perfect_prompts, repeating_target
@@ -71,6 +72,17 @@ def test_cli_evaluate_serves_an_export_with_the_target_it_records_or_one_given(
         assert report["generations"] == expected.generations
 
 
+def eagle3_export(target: dict, directory) -> str:
+    """An EAGLE-3 export of ``target`` with a vocabulary mapping and a head moved off its initialisation
+    (the validator refuses an untrained head)."""
+    torch.manual_seed(0)
+    counts = torch.randint(1, 50, (target["vocab_size"],), generator=torch.Generator().manual_seed(0))
+    module = Eagle3Module(target, ttt_length=STEPS, draft_vocab_size=64, token_frequencies=counts)
+    with torch.no_grad():
+        module.draft.lm_head.weight.mul_(1.5)
+    return export_module(module, directory)
+
+
 def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, capsys, caplog):
     from lightning_drafts.datamodules import load_embedded_tokenizer
 
@@ -85,12 +97,7 @@ def test_cli_evaluate_takes_held_out_prompts_from_the_data_module(tmp_path, caps
     ]
     (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(row) for row in chats))
     target = {**TINY_TARGETS["llama"], "vocab_size": 32000}  # the embedded tokenizer's vocabulary
-    torch.manual_seed(0)
-    counts = torch.randint(1, 50, (32000,), generator=torch.Generator().manual_seed(0))
-    module = Eagle3Module(target, ttt_length=STEPS, draft_vocab_size=64, token_frequencies=counts)
-    with torch.no_grad():
-        module.draft.lm_head.weight.mul_(1.5)
-    export = module.export(tmp_path / "draft")
+    export = eagle3_export(target, tmp_path / "draft")
     out = tmp_path / "report.json"
     with caplog.at_level(logging.INFO):
         main(
@@ -247,3 +254,80 @@ def test_cli_evaluate_refuses_incomplete_tree_settings(options, message, tmp_pat
         )
     assert raised.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_evaluate_counts_the_prompts_it_cuts_and_refuses_a_decode_past_the_targets_positions(
+    tmp_path, capsys, caplog
+):
+    export = eagle3_export(TINY_TARGETS["llama"], tmp_path / "draft")
+    long_prompts = [list(range(1, 4)), list(range(1, 11)), list(range(1, 21))]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in long_prompts))
+    out = tmp_path / "report.json"
+    with caplog.at_level(logging.INFO):
+        main(
+            ["evaluate", str(export), "--prompts", str(prompts), "--max-prompt-tokens", "8"]
+            + ["--max-new-tokens", "2", "--no-training-estimate", "--no-baseline", "--no-card"]
+            + ["--json", str(out)]
+        )
+    logged = [r.getMessage() for r in caplog.records]
+    # The file holds 3 prompts (fewer than the default --num-prompts): the true count is said.
+    assert "evaluate: 3 prompts from " + str(prompts) in logged, logged
+    assert (
+        "evaluate: 2 of 3 prompts were longer than max_prompt_tokens=8 and were served with their last 8 "
+        "tokens only; raise the limit with --max-prompt-tokens"
+    ) in logged
+    served = json.loads(out.read_text())["prompts"]
+    assert served == [long_prompts[0], long_prompts[1][-8:], long_prompts[2][-8:]]
+    capsys.readouterr()
+
+    # 8 prompt tokens + 250 new - 1 + 3 proposed = 260 positions, past the tiny Llama's 256.
+    assert TINY_TARGETS["llama"]["max_position_embeddings"] == 256 and STEPS == 3
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["evaluate", str(export), "--prompts", str(prompts), "--max-prompt-tokens", "8"]
+            + ["--max-new-tokens", "250", "--no-training-estimate", "--no-baseline", "--no-card"]
+        )
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()
+    assert error[0] == (
+        "lightning-drafts evaluate: error: prompt 2 of 3 has 8 tokens: with max_new_tokens=250 and "
+        "num_steps=3 the target would run over 260 positions, past its max_position_embeddings=256; lower "
+        "--max-new-tokens or --max-prompt-tokens"
+    )
+
+
+def test_a_smaller_evaluate_run_never_replaces_the_cards_measurement(tmp_path, capsys):
+    export = eagle3_export(TINY_TARGETS["llama"], tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(list(range(1, n))) for n in (4, 6, 8)))
+    card = tmp_path / "draft" / "README.md"
+
+    def evaluate(num_prompts: int, new_tokens: int) -> str:
+        main(
+            ["evaluate", str(export), "--prompts", str(prompts), "--num-prompts", str(num_prompts)]
+            + ["--max-new-tokens", str(new_tokens), "--ignore-eos", "--no-training-estimate", "--no-baseline"]
+        )
+        return capsys.readouterr().out.splitlines()[-1]
+
+    def served(text: str) -> list[str]:
+        section = text.split("<!-- lightning-drafts: served results -->")[1]
+        return re.findall(r"\| prompts \| (\d+) from", section)
+
+    said = evaluate(3, 4)
+    assert said.startswith("updated ") and "(3 prompts, 12 tokens)" in said
+    measured = card.read_text()
+    # A throw-away run on one prompt: the 3-prompt measurement stays first, the small run beside it.
+    said = evaluate(1, 4)
+    assert said.startswith("kept the served acceptance") and "measured on 3 prompts, 12 tokens" in said
+    text = card.read_text()
+    assert served(text) == ["3", "1"]
+    assert text.split("### A later, smaller run")[0] == measured.split("<!-- /lightning-drafts")[0] + "\n"
+    assert "### A later, smaller run (1 prompts, 4 tokens)" in text
+    # As many prompts but fewer tokens is smaller too; a second small run replaces the first one beside.
+    evaluate(3, 2)
+    assert served(card.read_text()) == ["3", "3"]
+    # At least as many prompts and tokens: it replaces both.
+    said = evaluate(3, 5)
+    assert said.startswith("updated ") and served(card.read_text()) == ["3"]
+    assert "smaller run" not in card.read_text()

@@ -66,6 +66,16 @@ def test_debug_or_the_environment_variable_gives_the_traceback(tmp_path, monkeyp
             "model.init_args.ttt_length (lightning_drafts.Eagle3Module): expected int. Got value: many",
         ),
         ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+        (
+            "--model.init_args.learning_rate=nan",
+            "model.init_args.learning_rate (lightning_drafts.Eagle3Module): nan is not a finite number (YAML "
+            "reads nan and inf as text, not floats); give a finite number",
+        ),
+        (
+            "--model.init_args.learning_rate=-inf",
+            "model.init_args.learning_rate (lightning_drafts.Eagle3Module): -inf is not a finite number (YAML "
+            "reads nan and inf as text, not floats); give a finite number",
+        ),
     ],
 )
 def test_a_bad_option_names_the_option_in_one_line(override, message, tmp_path, capsys, monkeypatch):
@@ -121,3 +131,65 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr("lightning_drafts.cli.export.export_main", broken)
     with pytest.raises(TypeError, match="a bug"):
         main(["export", "a.ckpt", "out"])
+
+
+def checkpoint_recording(tmp_path: Path, **changed) -> Path:
+    """A checkpoint of the quickstart's EAGLE-3 draft whose recorded hyperparameters are ``changed`` (as a
+    checkpoint of another version would record them; its digests match)."""
+    import lightning
+    import torch
+
+    from lightning_drafts import Eagle3Module
+    from lightning_drafts.training.checkpoint_integrity import record_digests
+
+    module = Eagle3Module("shipped:tiny-llama", ttt_length=4, draft_vocab_size=64, token_frequencies=None)
+    # What LightningCLI records with the hyperparameters, so the class is rebuilt from them.
+    cli = {
+        "_class_path": "lightning_drafts.Eagle3Module",
+        "_instantiator": "lightning.pytorch.cli.instantiate_module",
+    }
+    hparams = {**module.hparams, **cli, **changed}
+    checkpoint = {
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": module.state_dict(),
+        "hparams_name": "kwargs",
+    }
+    module.on_save_checkpoint(checkpoint)
+    checkpoint["hyper_parameters"] = hparams
+    record_digests(checkpoint)
+    path = tmp_path / "draft.ckpt"
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changed", "refused"),
+    [
+        ({"learning_rate": -1.0}, "learning_rate = -1.0; it must be a number > 0"),
+        (
+            {"retired_option": 1},
+            "DraftModule.__init__() got an unexpected keyword argument 'retired_option'; it records an "
+            "argument this version of the draft does not take, so it was written by another lightning-drafts "
+            "version: load it with that version",
+        ),
+    ],
+)
+def test_hyperparameters_a_checkpoint_records_are_refused_naming_the_checkpoint(
+    changed, refused, tmp_path, capsys, monkeypatch
+):
+    path = checkpoint_recording(tmp_path, **changed)
+    named = f"{path}: the draft refuses the hyperparameters this checkpoint records: {refused}"
+    line = fails(capsys, monkeypatch, "export", str(path), str(tmp_path / "export"))[-2]
+    assert line == f"lightning-drafts export: error: {named}", line
+    line = fails(capsys, monkeypatch, *fit(tmp_path, f"--ckpt_path={path}"))[-2]
+    assert line == f"lightning-drafts fit: error: {named}"
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_fit_without_a_config_says_to_pass_one(command, capsys, monkeypatch):
+    (line,) = fails(capsys, monkeypatch, command, "--trainer.max_steps=3")
+    assert line == (
+        f"lightning-drafts {command}: error: no config: pass --config FILE, a fit config naming the model and "
+        "the data (configs/quickstart/eagle3.yaml is one), or both --model and --data (missing: "
+        f"{command}.data, {command}.model)"
+    )

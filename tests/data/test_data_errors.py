@@ -159,3 +159,99 @@ def test_rows_of_a_file_read_row_by_row_keep_their_lines(tmp_path, caplog):
         data(files, tmp_path)
     warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
     assert f"{files}:2: invalid JSON" in warning and f"{files}:4: no assistant turn" in warning
+
+
+# Roles a lenient template (ChatML) renders without a word and a strict one (Mistral's) refuses at
+# serving, each with the order it is named by.
+OUT_OF_ORDER = [
+    (
+        chat(("user", "Hi"), ("user", "Still there?"), ("assistant", "Yes")),
+        "user after user",
+        "messages[1].role",
+    ),
+    (
+        chat(("assistant", "Welcome"), ("user", "Hi"), ("assistant", "Hello")),
+        "assistant first",
+        "messages[0].role",
+    ),
+    (chat(("system", "Be brief"), ("assistant", "Hello")), "assistant first", "messages[1].role"),
+    (
+        chat(("user", "Hi"), ("assistant", "Hello"), ("assistant", "Again")),
+        "assistant after assistant",
+        "messages[2].role",
+    ),
+    (
+        chat(("user", "Hi"), ("system", "Be brief"), ("assistant", "Hello")),
+        "system after user",
+        "messages[1].role",
+    ),
+    (
+        {
+            "conversations": [
+                {"from": "gpt", "value": "Welcome"},
+                {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "Yo"},
+            ]
+        },
+        "assistant first",
+        "conversations[0].from",
+    ),
+]
+
+
+def test_roles_out_of_order_are_refused_naming_file_line_and_order(tmp_path, caplog):
+    in_order = chat(("system", "Be brief"), ("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"))
+    lines = [good_line(), json.dumps(in_order).encode()] + [
+        json.dumps(row).encode() for row, *_ in OUT_OF_ORDER
+    ]
+    files = write_lines(tmp_path / "chats.jsonl", lines)
+    with caplog.at_level(logging.INFO, logger=data_logger.name):
+        module = data(files, tmp_path, chat_template="chatml")
+    assert module.stats["train"]["documents"] == 2
+    assert module.stats["train"]["malformed"] == len(OUT_OF_ORDER)
+    warning = next(r.getMessage() for r in caplog.records if "malformed rows skipped" in r.getMessage())
+    for line, (_, order, field) in enumerate(OUT_OF_ORDER, start=3):
+        assert f"{files}:{line}: roles out of order: {order} (field {field})" in warning, warning
+    with pytest.raises(ValueError) as refused:
+        data(files, tmp_path, chat_template="chatml", strict=True)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{files}:3: roles out of order: user after user (field messages[1].role)")
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_with_what_to_pass(tmp_path):
+    from lightning_drafts.shipped import shipped_target_path
+
+    weights_only = tmp_path / "model"
+    weights_only.mkdir()
+    (weights_only / "config.json").write_text((shipped_target_path("tiny-llama") / "config.json").read_text())
+    with pytest.raises(ValueError) as refused:
+        PackedChatDataModule(tokenizer=str(weights_only), cache_dir=str(tmp_path / "cache"))
+    message = str(refused.value)
+    assert message.startswith(
+        f"tokenizer={str(weights_only)!r}: the folder {weights_only} has no tokenizer files ("
+    )
+    assert "it holds config.json); pass the folder or hub id the model's tokenizer came with" in message
+    assert "sentencepiece or tiktoken installed" not in message and "\n" not in message
+    # The same folder with the tokenizer's files loads.
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (weights_only / name).write_bytes((shipped_target_path("tiny-llama") / name).read_bytes())
+    assert (
+        PackedChatDataModule(tokenizer=str(weights_only), cache_dir=str(tmp_path / "cache")).vocab_size
+        == 2048
+    )
+
+
+def test_a_directory_as_data_files_names_the_glob_to_pass(tmp_path):
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    for name in ("a.jsonl", "b.jsonl", "c.json"):
+        write_lines(folder / name, [good_line()])
+    with pytest.raises(ValueError) as refused:
+        data(str(folder), tmp_path)
+    assert str(refused.value) == (
+        f"data file {str(folder)!r} is a directory (it holds 2 .jsonl files, 1 .json file); pass its files with "
+        f"a glob, data_files: {str(folder / '*.jsonl')!r}, or a list of files"
+    )
+    # The glob it names reads them.
+    assert data(str(folder / "*.jsonl"), tmp_path).stats["train"]["documents"] == 2

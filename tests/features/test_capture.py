@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -71,6 +72,30 @@ def test_a_stopped_capture_resumes_to_the_shards_of_an_uninterrupted_one(tmp_pat
     assert {k: v for k, v in resumed.manifest.items() if k not in drop} == {
         k: v for k, v in whole.manifest.items() if k not in drop
     }
+
+
+def test_a_cut_or_missing_shard_is_named_with_the_fix_that_rewrites_it(tmp_path):
+    module, docs = eagle3(), corpus()
+    whole = capture(module, tmp_path / "whole", docs, shard_bytes=SMALL_SHARDS)
+    names = [shard["file"] for shard in whole.manifest["sources"]["data_files"]["shards"]]
+    damaged = tmp_path / "damaged"
+    capture(module, damaged, docs, shard_bytes=SMALL_SHARDS)
+    cut = damaged / names[1]
+    cut.write_bytes(cut.read_bytes()[:1000])  # a copy that stopped
+    fix = "; delete it and run the same `lightning-drafts capture` again: it rewrites the shards that are not there"
+    with pytest.raises(ValueError) as refused:
+        FeatureStore(damaged).source("data_files")
+    message = str(refused.value)
+    assert message.startswith(f"feature shard {cut} is 1,000 bytes, unreadable (") and message.endswith(fix)
+    assert "\n" not in message
+    cut.unlink()
+    with pytest.raises(ValueError, match=f"^feature shard {cut} is missing \\(.*{re.escape(fix)}$"):
+        FeatureStore(damaged).source("data_files")
+    # The fix it names works: the capture writes the shard again, equal to the uninterrupted one's.
+    capture(module, damaged, docs, shard_bytes=SMALL_SHARDS)
+    assert shard_tensors(damaged).keys() == shard_tensors(tmp_path / "whole").keys()
+    for key, value in load_file(str(tmp_path / "whole" / names[1])).items():
+        assert torch.equal(load_file(str(cut))[key], value), key
 
 
 def test_a_resumed_capture_says_where_and_its_shards_are_readable_by_others(tmp_path, caplog):
