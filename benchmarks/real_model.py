@@ -10,8 +10,10 @@ Stages, each resumable (a finished stage is skipped on the next run; a killed ``
 2. ``convert``: ``lightning-drafts convert-gguf``, the target as the folder vLLM loads;
 3. ``regenerate``: every answer rewritten by the target (greedy, ``--max-new-tokens``), vLLM where its
    environment is found, else transformers;
-4. per family (``--families``): ``fit`` with ``configs/real/<family>.yaml`` for ``--steps`` optimizer
-   steps, ``export`` of the last checkpoint, and ``evaluate --prompts mt-bench`` (both turns, the second
+4. per family (``--families``): ``capture`` of the target's features for that family's draft, once
+   (``--online``: none, the target runs in every step), ``fit`` with ``configs/real/<family>.yaml`` for
+   ``--steps`` optimizer steps from those features (the target's decoder never loaded, so an epoch after
+   the capture costs the draft's compute only), ``export`` of the last checkpoint, and ``evaluate --prompts mt-bench`` (both turns, the second
    asked after the target's own first answer; greedy) with the draft, with the target alone and with
    vLLM's n-gram speculator on the same prompts;
 5. ``report``: ``results.json`` and ``results.md`` in ``--work``: per family and MT-Bench category the
@@ -125,6 +127,20 @@ def call(args: list[str], log: Path) -> None:
         raise SystemExit(f"real_model: {' '.join(args[2:4])} failed ({done.returncode}); {log}:\n{tail}")
 
 
+def without_trainer_options(options: list[str]) -> list[str]:
+    """The fit overrides that decide what a capture stores (data and model), without the trainer's
+    (``--trainer.x=y`` or ``--trainer.x y``), which ``capture`` does not take."""
+    kept, skip_value = [], False
+    for option in options:
+        if skip_value:
+            skip_value = False
+        elif option.startswith("--trainer."):
+            skip_value = "=" not in option
+        else:
+            kept.append(option)
+    return kept
+
+
 def vllm_python() -> str | None:
     python = os.environ.get("LIGHTNING_DRAFTS_VLLM_PYTHON")
     return python if python and Path(python).exists() else None
@@ -153,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-tokens", type=int, default=256, help="new tokens per served turn")
     parser.add_argument("--num-steps", type=int, default=4, help="speculative tokens per round (K)")
     parser.add_argument("--engine", choices=("auto", "vllm", "builtin"), default="auto")
+    parser.add_argument(
+        "--online", action="store_true", help="no feature capture: the target runs in every training step"
+    )
     parser.add_argument(
         "--fit-args", nargs=argparse.REMAINDER, default=[], help="more fit overrides (e.g. --trainer.x y)"
     )
@@ -194,11 +213,22 @@ def main(argv: list[str] | None = None) -> None:
         version = runs / f"real-{family}" / "version_0"
         last = version / "checkpoints" / "last.ckpt"
         val_every = args.val_every or max(1, min(200, args.steps // 4))
+        family_config = f"--config={ROOT / 'configs' / 'real' / f'{family}.yaml'}"
+        features = work / f"{family}-features"
+        if not args.online:
+            capture = [
+                *CLI, "capture", family_config, *target, f"--data.init_args.data_files={train}",
+                f"--output={features}", *without_trainer_options(args.fit_args),
+            ]  # fmt: skip
+            # A killed capture resumes at its first missing shard when run again.
+            stages.run(f"capture-{family}", lambda capture=capture: call(capture, log))
         fit = [
-            *CLI, "fit", f"--config={ROOT / 'configs' / 'real' / f'{family}.yaml'}", *target,
+            *CLI, "fit", family_config, *target,
             f"--data.init_args.data_files={train}", f"--trainer.max_steps={args.steps}",
             f"--trainer.val_check_interval={val_every}", f"--trainer.logger.init_args.save_dir={runs}",
             "--trainer.logger.init_args.version=0", *args.fit_args,
+            *([] if args.online else [f"--data.init_args.features_dir={features}",
+                                      "--model.init_args.target_decoder=false"]),
         ]  # fmt: skip
 
         def train_family(fit=fit, last=last) -> None:

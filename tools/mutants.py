@@ -7,8 +7,9 @@ the tests that must catch it, and fail when any survives.
     python tools/mutants.py --jobs 2        # two at once (one scratch copy each)
 
 The working tree is never touched: its files (tracked and untracked, not ignored) are copied to a
-temporary directory once, each mutant is written there, its tests run with ``sys.executable -m pytest``
-from that copy, and the original line is written back. Before any mutant, the catching tests run once
+temporary directory once, each mutant is written there, its tests run with pytest from that copy (forked
+off a process that imported the third-party libraries once: tools/preloaded_pytest.py), and the original
+line is written back. Before any mutant, the catching tests run once
 on the unmutated copy and must pass: a test that fails anyway would "catch" every mutant.
 
 A mutant counts as caught when pytest reports failing tests or a collection error (exit 1 or 2); exit 0
@@ -32,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.mutants.catalog import MUTANTS, Mutant, catalog_problems  # noqa: E402
+from tools.preloaded_pytest import PreloadedPytest  # noqa: E402
+
+# Each scratch copy's pytest server (tools/preloaded_pytest.py), started with the copy.
+RUNNERS: dict[Path, PreloadedPytest] = {}
 
 # A hang guard only: the slowest honest mutant run is well under a minute on 2 CPU cores.
 HANG_GUARD_S = 900
@@ -95,19 +100,12 @@ def check_imports_from(copy: Path) -> None:
 
 
 def run_tests(copy: Path, tests: tuple[str, ...] | list[str]) -> tuple[int, str]:
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-    try:
-        done = subprocess.run(
-            command,
-            cwd=copy,
-            env=environment(copy),
-            capture_output=True,
-            text=True,
-            timeout=HANG_GUARD_S,
-        )
-    except subprocess.TimeoutExpired:
+    """``pytest -x`` of ``tests`` from ``copy``, forked off the copy's preloaded server (its third-party
+    imports done once, not once per mutant)."""
+    rc, output = RUNNERS[copy].run(copy, ["-x", "-q", "-p", "no:cacheprovider", *tests], HANG_GUARD_S)
+    if rc == -1:
         return -1, f"no result within {HANG_GUARD_S} s"
-    return done.returncode, (done.stdout + done.stderr).strip()
+    return rc, output.strip()
 
 
 def plant(copy: Path, mutant: Mutant) -> str:
@@ -173,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for worker in range(args.jobs):
             copy = scratch_copy(Path(scratch) / str(worker))
             check_imports_from(copy)
+            RUNNERS[copy] = PreloadedPytest(environment(copy))
             copies.put(copy)
         if not args.no_baseline:
             tests = list(dict.fromkeys(test for m in mutants for test in m.tests))
@@ -186,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda m: run_mutant(copies, m), mutants))
+        for runner in RUNNERS.values():
+            runner.close()
     survivors = [m for m, rc in zip(mutants, results, strict=True) if rc == 0]
     broken = [m for m, rc in zip(mutants, results, strict=True) if rc not in (0, 1, 2, -1)]
     total = time.monotonic() - start

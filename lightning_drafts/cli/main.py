@@ -9,6 +9,7 @@ import importlib
 import sys
 from typing import Any
 
+from lightning_drafts.cli.console_notices import leave_out_dependency_notices
 from lightning_drafts.cli.process_group import end_process_group
 from lightning_drafts.cli.user_errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_user_errors
 
@@ -53,6 +54,7 @@ def main(args: list[str] | None = None) -> None:
         return
     if command not in SUBCOMMANDS:
         raise SystemExit(f"lightning-drafts: unknown subcommand {command!r}\n\n{USAGE}")
+    leave_out_dependency_notices()
     report_user_errors(command, lambda: _dispatch(command, given[1:], None if args is None else given), debug)
 
 

@@ -172,6 +172,7 @@ class FrozenTarget(nn.Module):
         # router's weight and score bias), which every later cast is undone to.
         self._rope_tables = float32_rope_tables(self.model)
         self._float32_kept = float32_kept_tensors(self.model)
+        self._float32_kept_in_float16 = float32_kept_tensors(self.model, in_float16=True)
         if dtype is not None:
             self.model.to(as_dtype(dtype))
             self.keep_float32_tensors()
@@ -199,9 +200,9 @@ class FrozenTarget(nn.Module):
     def keep_float32_tensors(self) -> None:
         """Give the rotary embeddings back their float32 ``inv_freq`` / ``original_inv_freq`` where a cast
         lowered them (on the device they are on), and the tensors transformers keeps float32 whatever the load
-        dtype (``_keep_in_fp32_modules(_strict)``: DeepSeek-V3's router ``gate.weight`` and
+        dtype (``_keep_in_fp32_modules_strict``: DeepSeek-V3's router ``gate.weight`` and
         ``e_score_correction_bias``; a bf16-rounded router picks other experts than the served target at
-        near-ties). ``from_pretrained(dtype=bfloat16)`` keeps them float32 and
+        near-ties), and in a float16 model those it keeps float32 there only (``_keep_in_fp32_modules``). ``from_pretrained(dtype=bfloat16)`` keeps them float32 and
         vLLM serves with float32 rope tables: rounded to bf16 (relative error ~4e-3), the angle at position
         4095 is off by up to ~0.7 rad and the teacher's features drift from the served target's. Also run
         before every forward, for casts that bypass ``Module._apply`` (FSDP1 casts buffers in place to its
@@ -211,7 +212,10 @@ class FrozenTarget(nn.Module):
             current = module._buffers[buffer_name]
             if current is not None and current.dtype != torch.float32:
                 module.register_buffer(buffer_name, table.to(current.device, copy=True), persistent=False)
-        for name, master in self._float32_kept.items():
+        kept = self._float32_kept
+        if self.model.get_input_embeddings().weight.dtype == torch.float16:
+            kept = {**self._float32_kept_in_float16, **kept}
+        for name, master in kept.items():
             module_name, _, attribute = name.rpartition(".")
             module = self.model.get_submodule(module_name)
             current = getattr(module, attribute, None)
@@ -579,15 +583,15 @@ def float32_rope_tables(model: nn.Module) -> dict[tuple[str, str], Tensor]:
     return tables
 
 
-def float32_kept_tensors(model: nn.Module) -> dict[str, Tensor]:
+def float32_kept_tensors(model: nn.Module, in_float16: bool = False) -> dict[str, Tensor]:
     """``name -> float32 copy`` of the parameters and buffers that ``model`` keeps float32 by its class's
-    ``_keep_in_fp32_modules_strict`` / ``_keep_in_fp32_modules`` (a pattern names a module path piece, as
-    transformers matches it). One that is not float32 now (a model handed over already cast, or built by a
-    transformers release that does not keep it) is kept from here on, at the value it has."""
-    patterns = [
-        *(getattr(model, "_keep_in_fp32_modules_strict", None) or ()),
-        *(getattr(model, "_keep_in_fp32_modules", None) or ()),
-    ]
+    ``_keep_in_fp32_modules_strict`` (in any dtype), or with ``in_float16`` by its ``_keep_in_fp32_modules``
+    (which ``from_pretrained`` keeps float32 in a float16 model only: gpt-oss's norms are bf16 in a bf16
+    model, as vLLM serves them). A pattern names a module path piece, as transformers matches it. One that is
+    not float32 now (a model handed over already cast, or built by a transformers release that does not keep
+    it) is kept from here on, at the value it has."""
+    attribute = "_keep_in_fp32_modules" if in_float16 else "_keep_in_fp32_modules_strict"
+    patterns = list(getattr(model, attribute, None) or ())
     if not patterns:
         return {}
     kept = {}

@@ -104,6 +104,10 @@ def test_a_quickstart_fit_validate_export_evaluate_prints_no_warning_of_ours(tmp
     console = result.stdout + result.stderr
     # Lightning's own bar printed a max_steps run as "Epoch 0/-2" and the logger version as a metric.
     assert "Epoch 0/-2" not in console and "v_num" not in console
+    # Dependency notices no user can act on: torch's LeafSpec deprecation (Lightning's own call) and
+    # Lightning's litlogger advertisement.
+    assert "LeafSpec" not in console and not any("LeafSpec" in w for w in seen), console[-3000:]
+    assert "litlogger" not in console, console[-3000:]
 
     # The export's model card, read back: what the checkpoint and evaluate's own report say.
     card = json.loads(result.stdout.rsplit("CARD ", 1)[1].split("\nWARNINGS ", 1)[0])

@@ -110,6 +110,19 @@ def tiny(family: str) -> dict:
     return {**TINY_TARGETS[family], "max_position_embeddings": 4096, **WIDE_HEADS[family]}
 
 
+# The checks that run on CUDA only, with what they run: on another device the parent reports them SKIP
+# without spending a process on each.
+CUDA_ONLY = {
+    "one_gpu_fit_with_fsdp1_and_fsdp2": "FSDPStrategy / ModelParallelStrategy on one GPU",
+    "real_shapes_step": "a Llama-3.1-8B-wide micro-batch",
+    "throughput_packed_vs_padded": "benchmarks/throughput.py --device cuda",
+}
+
+
+def cuda_only_reason(check: str) -> str:
+    return f"{CUDA_ONLY[check]} runs on CUDA only"
+
+
 class Skipped(Exception):
     """A check that cannot run on this machine (reported, not counted as a failure)."""
 
@@ -136,9 +149,9 @@ class Run:
             return [[9, 6, 3], [11, 7], [10, 8]], 20
         return [[999, 701, 348], [1501, 3, 542]], 2048
 
-    def need_cuda(self, what: str) -> None:
+    def need_cuda(self, check: str) -> None:
         if not self.cuda:
-            raise Skipped(f"{what} runs on CUDA only")
+            raise Skipped(cuda_only_reason(check))
 
 
 def on(batch: dict, device: str) -> dict:
@@ -451,7 +464,7 @@ def check_bf16_mixed_follows_float32(run: Run) -> None:
 
 
 def check_one_gpu_fit_with_fsdp1_and_fsdp2(run: Run) -> None:
-    run.need_cuda("FSDPStrategy / ModelParallelStrategy on one GPU")
+    run.need_cuda("one_gpu_fit_with_fsdp1_and_fsdp2")
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -509,7 +522,7 @@ REAL_TARGET = {
 
 
 def check_real_shapes_step(run: Run) -> None:
-    run.need_cuda("a Llama-3.1-8B-wide micro-batch")
+    run.need_cuda("real_shapes_step")
     lengths = [3000, 1500, 2100, 1592]
     docs = random_docs(lengths, vocab=REAL_TARGET["vocab_size"], seed=3)
     batch = on(stack_rows([packed_row(docs, sum(lengths))]), run.device)
@@ -558,7 +571,7 @@ def check_real_shapes_step(run: Run) -> None:
 
 
 def check_throughput_packed_vs_padded(run: Run) -> None:
-    run.need_cuda("benchmarks/throughput.py --device cuda")
+    run.need_cuda("throughput_packed_vs_padded")
     command = [
         sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cuda",
         "--drafts", "eagle3", "dflash", "--documents", "32", "--repeats", "1", "--max-tokens", "2048",
@@ -695,6 +708,8 @@ def main() -> int:
         began = time.monotonic()
         if began - start > args.budget:
             result = {"check": name, "status": "SKIP", "reason": f"time budget of {args.budget:.0f} s spent"}
+        elif args.device != "cuda" and name in CUDA_ONLY:
+            result = {"check": name, "status": "SKIP", "reason": cuda_only_reason(name)}
         else:
             result = run_in_child(name, args)
         failures += result["status"] == "FAIL"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_drafts.attention.backends import block_causal_mask
 from lightning_drafts.core.batch import validate_batch
@@ -121,6 +122,32 @@ def test_the_moe_router_stays_float32_in_a_bf16_target():
         for key, tensor in router.items():
             assert tensor.dtype == torch.float32, (name, key)
             assert torch.equal(tensor, reference[key]), (name, key)
+
+
+class NormsKeptInFloat16(LlamaForCausalLM):
+    """A Llama whose norms transformers keeps float32 in a float16 model only, as gpt-oss's class declares."""
+
+    _keep_in_fp32_modules = ["input_layernorm", "post_attention_layernorm", "norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensors_kept_float32_only_in_float16_follow_from_pretrained(tmp_path, dtype):
+    """``_keep_in_fp32_modules`` (not ``_strict``) keeps tensors float32 in a float16 load only: the target's
+    dtypes and values are those ``from_pretrained(dtype=...)`` gives the same checkpoint."""
+    torch.manual_seed(0)
+    model = NormsKeptInFloat16(LlamaConfig(**{**TINY_TARGETS["llama"], "num_hidden_layers": 2}))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:  # gains that bf16 / fp16 cannot hold exactly
+                parameter.add_(torch.rand_like(parameter) * 1e-3)
+    model.save_pretrained(tmp_path)
+    reference = dict(NormsKeptInFloat16.from_pretrained(tmp_path, dtype=dtype).named_parameters())
+    ours = dict(FrozenTarget(model, dtype=dtype).model.named_parameters())
+    assert ours.keys() == reference.keys()
+    kept = {name for name, tensor in reference.items() if tensor.dtype == torch.float32}
+    assert bool(kept) == (dtype == torch.float16) and all("norm" in name for name in kept), kept
+    for name, tensor in reference.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
 
 
 def draft_tables(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """benchmarks/real_model.py, the real-model pipeline, at CI size: the tiny GGUF (30 layers, tied, ChatML)
 in place of SmolLM2's, a few conversations in a ShareGPT file cut off inside its last record, a few steps,
-two MT-Bench questions served by the built-in decode. Every stage runs, the report holds MT-Bench's
+two MT-Bench questions served by the built-in decode. Every stage runs (the fit from the features captured
+once), the report holds MT-Bench's
 categories with both acceptance definitions, a second run redoes nothing, and a fit asked for more steps
 resumes from its last checkpoint instead of starting over."""
 
@@ -19,7 +20,15 @@ from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "real_model.py"
-STAGES = ["prompts", "convert", "regenerate", "fit-eagle3", "export-eagle3", "evaluate-eagle3"]
+STAGES = [
+    "prompts",
+    "convert",
+    "regenerate",
+    "capture-eagle3",
+    "fit-eagle3",
+    "export-eagle3",
+    "evaluate-eagle3",
+]
 ROLES = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
@@ -92,5 +101,13 @@ def test_the_pipeline_runs_every_stage_reports_mt_bench_and_resumes(tiny_gguf, t
         line for line in (work / "commands.log").read_text().splitlines() if " lightning_drafts fit " in line
     ]
     assert len(fits) == 2 and "--ckpt_path=" not in fits[0] and "--ckpt_path=" in fits[1], fits
+    # Both fits trained from the one capture, without the target's decoder.
+    features = work / "eagle3-features"
+    assert all(f"--data.init_args.features_dir={features}" in fit for fit in fits), fits
+    assert all("--model.init_args.target_decoder=false" in fit for fit in fits), fits
+    manifest = json.loads((features / "features.json").read_text())
+    assert manifest["data"]["max_tokens"] == 128 and manifest["sources"]["data_files"]["documents"] > 0, (
+        manifest
+    )
     last = work / "runs" / "real-eagle3" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 5
