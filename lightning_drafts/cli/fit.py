@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
@@ -19,6 +20,7 @@ from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.cli.resume import resume_into_same_run
 from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.training.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
 from lightning_drafts.training.module import DraftModule
 
@@ -78,7 +80,14 @@ class DraftCLI(LightningCLI):
         # SIGTERM / Ctrl-C save a resumable last.ckpt and exit non-zero (a config's own instance wins).
         if self.subcommand == "fit" and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
             callbacks.append(PreemptionCheckpoint())
-        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+        plugins = trainer.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        # Checkpoints are written whole or not at all, beside their final name (a CheckpointIO of the
+        # config's own, as a plugin or on its strategy, wins).
+        own = getattr(trainer.get("strategy"), "_checkpoint_io", None)
+        if own is None and not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            plugins.append(AtomicCheckpointIO())
+        return super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
