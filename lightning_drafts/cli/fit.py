@@ -22,6 +22,7 @@ from lightning_drafts.cli.resume import resume_into_same_run
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
+from lightning_drafts.training.final_checkpoint import FinalCheckpoint
 from lightning_drafts.training.module import DraftModule
 
 # A bad option raises (an ArgumentError naming the option) instead of printing the whole usage and
@@ -80,6 +81,9 @@ class DraftCLI(LightningCLI):
         # SIGTERM / Ctrl-C save a resumable last.ckpt and exit non-zero (a config's own instance wins).
         if self.subcommand == "fit" and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
             callbacks.append(PreemptionCheckpoint())
+        # A finished fit leaves last.ckpt even without validation (a config's own instance wins).
+        if self.subcommand == "fit" and not any(isinstance(c, FinalCheckpoint) for c in callbacks):
+            callbacks.append(FinalCheckpoint())
         plugins = trainer.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         # Checkpoints are written whole or not at all, beside their final name (a CheckpointIO of the
