@@ -19,6 +19,7 @@ from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
 from lightning_drafts.cli.resume import resume_into_same_run
+from lightning_drafts.cli.run_claim import claim_run_directory
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
@@ -96,7 +97,8 @@ class DraftCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand == "fit":
-            resume_into_same_run(config)
+            if resume_into_same_run(config) is None:
+                claim_run_directory(config)
         # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
         # dropped without a word and the module's own AdamW + warmup-cosine would run.
         if config.get("lr_scheduler") and not config.get("optimizer"):
