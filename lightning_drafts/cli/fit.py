@@ -18,7 +18,8 @@ from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
-from lightning_drafts.cli.resume import resume_into_same_run
+from lightning_drafts.cli.resume import resume_into_same_run, resumed_checkpoint
+from lightning_drafts.cli.resumed_hyperparameters import refuse_changed_run
 from lightning_drafts.cli.run_claim import claim_run_directory
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.atomic_checkpoint_io import AtomicCheckpointIO
@@ -45,16 +46,24 @@ class DraftCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # LightningCLI builds the model from the checkpoint's hyperparameters, its class included: refuse a
         # damaged checkpoint before reading them, and one of another family than the config names.
-        section = self.config.get(self.config.get("subcommand") or "", None) or {}
-        ckpt_path = section.get("ckpt_path")
-        if ckpt_path and Path(ckpt_path).is_file():
-            checkpoint = _load(ckpt_path)
-            check_digests(checkpoint, where=str(ckpt_path))
+        subcommand = self.config.get("subcommand") or ""
+        section = self.config.get(subcommand, None) or {}
+        checkpoint_file = resumed_checkpoint(section)
+        applied: dict[str, Any] = {}
+        if checkpoint_file is not None:
+            checkpoint = _load(checkpoint_file)
+            check_digests(checkpoint, where=str(checkpoint_file))
             model = section.get("model")
             class_path = getattr(model, "class_path", None)
             if class_path:
-                check_family(checkpoint, _class_path_of(class_path), where=str(ckpt_path))
+                check_family(checkpoint, _class_path_of(class_path), where=str(checkpoint_file))
+            if subcommand == "fit" and model is not None and getattr(model, "init_args", None) is not None:
+                given = model.init_args.as_dict()
+                saved = checkpoint.get("hyper_parameters") or {}
+                applied = refuse_changed_run(given, saved, str(checkpoint_file))
         super()._parse_ckpt_path()
+        for name, value in applied.items():
+            self.config[subcommand]["model"]["init_args"][name] = value
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand == "validate":
