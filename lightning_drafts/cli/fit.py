@@ -106,6 +106,7 @@ class DraftCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand == "fit":
+            refuse_idle_trainer(config.get("trainer") or {})
             if resume_into_same_run(config) is None:
                 claim_run_directory(config)
         # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
@@ -132,6 +133,22 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
         save_config_kwargs={"overwrite": True},
         parser_kwargs=RAISE_PARSE_ERRORS,
     )
+
+
+def refuse_idle_trainer(trainer: Any) -> None:
+    """Refuse trainer settings under which a fit would do nothing (``max_steps: 0``: exit 0, nothing trained)
+    or fail late (``accumulate_grad_batches: 0``: Lightning's ZeroDivisionError after the data set-up)."""
+    if trainer.get("max_steps") == 0:
+        raise ValueError(
+            "trainer.max_steps = 0 trains nothing; set a positive number of steps (or -1 to train for "
+            "trainer.max_epochs)"
+        )
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
+        raise ValueError(
+            f"trainer.accumulate_grad_batches = {accumulate!r}; it must be a positive integer (1 steps the "
+            "optimiser after every batch)"
+        )
 
 
 def _point_checkpoint_callbacks_at(ckpt_path: str, callbacks: list[Any]) -> None:
