@@ -12,14 +12,19 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.moved_names import refuse_moved_class_paths
-from lightning_drafts.cli.resume import resume_into_same_run
+from lightning_drafts.cli.resume import resume_into_same_run, resumed_checkpoint
+from lightning_drafts.cli.resumed_hyperparameters import refuse_changed_run
+from lightning_drafts.cli.run_claim import claim_run_directory
 from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.training.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family
+from lightning_drafts.training.final_checkpoint import FinalCheckpoint
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.workflows.checkpoint_hyperparameters import naming_checkpoint
 
@@ -42,16 +47,24 @@ class DraftCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # LightningCLI builds the model from the checkpoint's hyperparameters, its class included: refuse a
         # damaged checkpoint before reading them, and one of another family than the config names.
-        section = self.config.get(self.config.get("subcommand") or "", None) or {}
-        ckpt_path = section.get("ckpt_path")
-        if ckpt_path and Path(ckpt_path).is_file():
-            checkpoint = _load(ckpt_path)
-            check_digests(checkpoint, where=str(ckpt_path))
+        subcommand = self.config.get("subcommand") or ""
+        section = self.config.get(subcommand, None) or {}
+        checkpoint_file = resumed_checkpoint(section)
+        applied: dict[str, Any] = {}
+        if checkpoint_file is not None:
+            checkpoint = _load(checkpoint_file)
+            check_digests(checkpoint, where=str(checkpoint_file))
             model = section.get("model")
             class_path = getattr(model, "class_path", None)
             if class_path:
-                check_family(checkpoint, _class_path_of(class_path), where=str(ckpt_path))
+                check_family(checkpoint, _class_path_of(class_path), where=str(checkpoint_file))
+            if subcommand == "fit" and model is not None and getattr(model, "init_args", None) is not None:
+                given = model.init_args.as_dict()
+                saved = checkpoint.get("hyper_parameters") or {}
+                applied = refuse_changed_run(given, saved, str(checkpoint_file))
         super()._parse_ckpt_path()
+        for name, value in applied.items():
+            self.config[subcommand]["model"]["init_args"][name] = value
 
     def instantiate_classes(self) -> None:
         section = (self.config[self.subcommand] if self.subcommand else self.config) or {}
@@ -84,12 +97,24 @@ class DraftCLI(LightningCLI):
         # SIGTERM / Ctrl-C save a resumable last.ckpt and exit non-zero (a config's own instance wins).
         if self.subcommand == "fit" and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
             callbacks.append(PreemptionCheckpoint())
-        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+        # A finished fit leaves last.ckpt even without validation (a config's own instance wins).
+        if self.subcommand == "fit" and not any(isinstance(c, FinalCheckpoint) for c in callbacks):
+            callbacks.append(FinalCheckpoint())
+        plugins = trainer.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        # Checkpoints are written whole or not at all, beside their final name (a CheckpointIO of the
+        # config's own, as a plugin or on its strategy, wins).
+        own = getattr(trainer.get("strategy"), "_checkpoint_io", None)
+        if own is None and not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            plugins.append(AtomicCheckpointIO())
+        return super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand == "fit":
-            resume_into_same_run(config)
+            refuse_idle_trainer(config.get("trainer") or {})
+            if resume_into_same_run(config) is None:
+                claim_run_directory(config)
         # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
         # dropped without a word and the module's own AdamW + warmup-cosine would run.
         if config.get("lr_scheduler") and not config.get("optimizer"):
@@ -114,6 +139,22 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
         save_config_kwargs={"overwrite": True},
         parser_kwargs=RAISE_PARSE_ERRORS,
     )
+
+
+def refuse_idle_trainer(trainer: Any) -> None:
+    """Refuse trainer settings under which a fit would do nothing (``max_steps: 0``: exit 0, nothing trained)
+    or fail late (``accumulate_grad_batches: 0``: Lightning's ZeroDivisionError after the data set-up)."""
+    if trainer.get("max_steps") == 0:
+        raise ValueError(
+            "trainer.max_steps = 0 trains nothing; set a positive number of steps (or -1 to train for "
+            "trainer.max_epochs)"
+        )
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
+        raise ValueError(
+            f"trainer.accumulate_grad_batches = {accumulate!r}; it must be a positive integer (1 steps the "
+            "optimiser after every batch)"
+        )
 
 
 def _point_checkpoint_callbacks_at(ckpt_path: str, callbacks: list[Any]) -> None:

@@ -68,3 +68,21 @@ def resume_into_same_run(section: Any) -> str | None:
     if version is not None:
         init_args["version"] = version
     return version
+
+
+def resumed_checkpoint(section: Any) -> Path | None:
+    """The file the config ``section``'s ``ckpt_path`` resumes: the path itself, or for ``last`` the newest
+    ``last*.ckpt`` of the TensorBoard run it continues (where Lightning looks); ``None`` when there is none
+    to read (Lightning then names a missing checkpoint itself)."""
+    ckpt_path = section.get("ckpt_path")
+    if not ckpt_path:
+        return None
+    if ckpt_path != "last":
+        return Path(ckpt_path) if Path(ckpt_path).is_file() else None
+    found = tensorboard_run_root(section.get("trainer", {}).get("logger"))
+    version = None if found is None else run_version_of("last", found[1])
+    if version is None:
+        return None
+    checkpoints = found[1] / version / "checkpoints"
+    candidates = [p for p in checkpoints.iterdir() if LAST_CHECKPOINT.match(p.name)]
+    return max(candidates, key=lambda p: p.stat().st_mtime)

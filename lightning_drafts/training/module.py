@@ -30,6 +30,7 @@ from lightning_drafts.training.feature_cache import FeatureCache
 from lightning_drafts.training.features_manifest import SHARD_BYTES, storage_dtype
 from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
 from lightning_drafts.training.remote_target import RemoteTarget
+from lightning_drafts.training.row_positions import check_row_positions
 from lightning_drafts.training.step_draws import run_seed, step_generator
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
 from lightning_drafts.training.unit_ledger import Unit
@@ -118,6 +119,12 @@ class DraftModule(L.LightningModule):
             raise ValueError(
                 "target_workers needs a target the workers can build themselves: a hub id / path or a config "
                 f"dict, not a {type(target).__name__} instance"
+            )
+        if target_address is not None and not target_workers:
+            raise ValueError(
+                f"target_address = {target_address!r} names the Ray cluster of the target workers, but "
+                f"target_workers = {target_workers}, so the target runs here and the address would be ignored; "
+                "set target_workers (e.g. 1), or drop target_address"
             )
         if target_cache_dir is not None and not target_workers:
             raise ValueError(
@@ -433,6 +440,7 @@ class DraftModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             self._check_features_of(datamodule)
+            check_row_positions(getattr(datamodule, "max_tokens", None), self.target.text_config)
             self.check_data(datamodule)
 
     def _check_features_of(self, datamodule: Any) -> None:

@@ -82,6 +82,53 @@ def test_a_bad_option_names_the_option_in_one_line(override, message, tmp_path, 
     assert fails(capsys, monkeypatch, *fit(tmp_path, override)) == [f"lightning-drafts fit: error: {message}"]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["--trainer.max_steps=0"],
+            "trainer.max_steps = 0 trains nothing; set a positive number of steps (or -1 to train for "
+            "trainer.max_epochs)",
+        ),
+        (
+            ["--trainer.accumulate_grad_batches=0", "--trainer.max_steps=1"],
+            "trainer.accumulate_grad_batches = 0; it must be a positive integer (1 steps the optimiser after "
+            "every batch)",
+        ),
+        (
+            ["--model.init_args.target_address=ray://head:10001", "--trainer.max_steps=1"],
+            "target_address = 'ray://head:10001' names the Ray cluster of the target workers, but "
+            "target_workers = 0, so the target runs here and the address would be ignored; set target_workers "
+            "(e.g. 1), or drop target_address",
+        ),
+    ],
+)
+def test_a_fit_that_would_do_nothing_or_ignore_an_option_is_refused_up_front(
+    overrides, message, tmp_path, capsys, monkeypatch
+):
+    # (Capped at one step on a few documents: without the refusal the fit would run.)
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, *overrides, "--data.init_args.max_documents=20"))
+    assert line.startswith("lightning-drafts fit: error: ") and line.endswith(message)
+    assert not (tmp_path / "cache").exists()  # refused before the data was read
+
+
+def test_rows_longer_than_the_target_can_position_are_refused(tmp_path, capsys, monkeypatch):
+    # The shipped tiny Llama declares max_position_embeddings = 2048.
+    overrides = (
+        "--data.init_args.max_tokens=4096",
+        "--data.init_args.max_documents=20",
+        "--trainer.max_steps=1",
+    )
+    lines = fails(capsys, monkeypatch, *fit(tmp_path, *overrides))
+    assert [line for line in lines if "error" in line] == [
+        (
+            "lightning-drafts fit: error: max_tokens = 4096 is longer than the target's max_position_embeddings = "
+            "2048: a document's tokens past position 2047 would be placed where the target has no position; set "
+            "data.init_args.max_tokens to at most 2048"
+        )
+    ]
+
+
 def test_a_missing_target_directory_is_named_as_one(tmp_path, capsys, monkeypatch):
     missing = tmp_path / "no-such-model"
     (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, f"--model.init_args.target={missing}"))
