@@ -10,10 +10,10 @@ Stages, each resumable (a finished stage is skipped on the next run; a killed ``
 2. ``convert``: ``lightning-drafts convert-gguf``, the target as the folder vLLM loads;
 3. ``regenerate``: every answer rewritten by the target (greedy, ``--max-new-tokens``), vLLM where its
    environment is found, else transformers;
-4. per family (``--families``): ``capture`` of the target's features for that family's draft, once
-   (``--online``: none, the target runs in every step), ``fit`` with ``configs/real/<family>.yaml`` for
-   ``--steps`` optimizer steps from those features (the target's decoder never loaded, so an epoch after
-   the capture costs the draft's compute only), ``export`` of the last checkpoint, and ``evaluate --prompts mt-bench`` (both turns, the second
+4. per family (``--families``): with ``--capture``, ``capture`` of the target's features for that
+   family's draft, once; ``fit`` with ``configs/real/<family>.yaml`` for ``--steps`` optimizer steps (from
+   those features, the target's decoder never loaded, with ``--capture``; else the target runs in every
+   step), ``export`` of the last checkpoint, and ``evaluate --prompts mt-bench`` (both turns, the second
    asked after the target's own first answer; greedy) with the draft, with the target alone and with
    vLLM's n-gram speculator on the same prompts;
 5. ``report``: ``results.json`` and ``results.md`` in ``--work``: per family and MT-Bench category the
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-steps", type=int, default=4, help="speculative tokens per round (K)")
     parser.add_argument("--engine", choices=("auto", "vllm", "builtin"), default="auto")
     parser.add_argument(
-        "--online", action="store_true", help="no feature capture: the target runs in every training step"
+        "--capture",
+        action="store_true",
+        help="capture the target's features once per family and train from them (no target forward per step)",
     )
     parser.add_argument(
         "--fit-args", nargs=argparse.REMAINDER, default=[], help="more fit overrides (e.g. --trainer.x y)"
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         val_every = args.val_every or max(1, min(200, args.steps // 4))
         family_config = f"--config={ROOT / 'configs' / 'real' / f'{family}.yaml'}"
         features = work / f"{family}-features"
-        if not args.online:
+        if args.capture:
             capture = [
                 *CLI, "capture", family_config, *target, f"--data.init_args.data_files={train}",
                 f"--output={features}", *without_trainer_options(args.fit_args),
@@ -227,8 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             f"--data.init_args.data_files={train}", f"--trainer.max_steps={args.steps}",
             f"--trainer.val_check_interval={val_every}", f"--trainer.logger.init_args.save_dir={runs}",
             "--trainer.logger.init_args.version=0", *args.fit_args,
-            *([] if args.online else [f"--data.init_args.features_dir={features}",
-                                      "--model.init_args.target_decoder=false"]),
+            *([f"--data.init_args.features_dir={features}", "--model.init_args.target_decoder=false"]
+              if args.capture else []),
         ]  # fmt: skip
 
         def train_family(fit=fit, last=last) -> None:

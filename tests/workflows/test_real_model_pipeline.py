@@ -1,7 +1,7 @@
 """benchmarks/real_model.py, the real-model pipeline, at CI size: the tiny GGUF (30 layers, tied, ChatML)
 in place of SmolLM2's, a few conversations in a ShareGPT file cut off inside its last record, a few steps,
-two MT-Bench questions served by the built-in decode. Every stage runs (the fit from the features captured
-once), the report holds MT-Bench's
+two MT-Bench questions served by the built-in decode. Every stage runs (with ``--capture``: the fit from
+the features captured once), the report holds MT-Bench's
 categories with both acceptance definitions, a second run redoes nothing, and a fit asked for more steps
 resumes from its last checkpoint instead of starting over."""
 
@@ -50,7 +50,7 @@ def pipeline(work: Path, gguf: Path, sharegpt: Path, steps: int) -> subprocess.C
     command = [
         sys.executable, str(SCRIPT), "--gguf", str(gguf), "--work", str(work), "--sharegpt", str(sharegpt),
         "--conversations", "30", "--max-new-tokens", "12", "--steps", str(steps), "--families", "eagle3",
-        "--num-prompts", "2", "--serve-tokens", "6", "--engine", "builtin",
+        "--num-prompts", "2", "--serve-tokens", "6", "--engine", "builtin", "--capture",
         "--fit-args", "--data.init_args.max_tokens=128", "--model.init_args.draft_vocab_size=1024",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.limit_val_batches=1",
