@@ -263,8 +263,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "speculative-sampling-redraws-the-rejected-token",
         "lightning_drafts/serving/sampling.py",
-        "residual[token] = 0  # max(0, p - q) for q the point mass on the proposed token",
-        "residual[token] = residual[token]",
+        "residual[[tokens[c] for c in children]] = 0",
+        "residual[[tokens[c] for c in children]] = residual[[tokens[c] for c in children]]",
         (
             "tests/serving/test_speculative_sampling.py::"
             "test_the_acceptance_rule_emits_each_token_with_its_target_probability",
@@ -378,10 +378,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "target-router-left-in-bf16",
         "lightning_drafts/training/target.py",
-        "for name, master in self._float32_kept.items():",
-        "for name, master in {}.items():",
+        "kept = self._float32_kept",
+        "kept = {}",
         ("tests/training/test_rope_tables.py::test_the_moe_router_stays_float32_in_a_bf16_target",),
         "a bf16 DeepSeek-V3 target routes with a bf16-rounded router: other experts than the served target's",
+    ),
+    Mutant(
+        "target-float16-only-tensors-kept-in-bf16",
+        "lightning_drafts/training/target.py",
+        "if self.model.get_input_embeddings().weight.dtype == torch.float16:",
+        "if True:",
+        (
+            "tests/training/test_rope_tables.py::"
+            "test_tensors_kept_float32_only_in_float16_follow_from_pretrained",
+        ),
+        "a bf16 gpt-oss target keeps its norms float32, which from_pretrained and vLLM keep in bf16",
     ),
     Mutant(
         "eagle3-rope-table-left-in-bf16",
