@@ -1,6 +1,5 @@
-"""Shared fixtures: offline hub, two threads (one per pytest-xdist worker), one tiny target config per
-supported target kind, the family under test (registered when it is not a shipped one) and one thread for
-decoding."""
+"""Shared fixtures: offline hub, two threads, one tiny target config per supported target kind, the family
+under test (registered when it is not a shipped one) and one thread for decoding."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ from tests.families.family_case import registered
 from tests.tiny_gguf import write_tiny_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Two threads for one test process; one per process when pytest-xdist runs a process per core (more would
-# oversubscribe the cores, and OpenMP threads spinning against each other cost more than they give).
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
