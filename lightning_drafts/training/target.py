@@ -202,8 +202,9 @@ class FrozenTarget(nn.Module):
         lowered them (on the device they are on), and the tensors transformers keeps float32 whatever the load
         dtype (``_keep_in_fp32_modules_strict``: DeepSeek-V3's router ``gate.weight`` and
         ``e_score_correction_bias``; a bf16-rounded router picks other experts than the served target at
-        near-ties), and in a float16 model those it keeps float32 there only (``_keep_in_fp32_modules``). ``from_pretrained(dtype=bfloat16)`` keeps them float32 and
-        vLLM serves with float32 rope tables: rounded to bf16 (relative error ~4e-3), the angle at position
+        near-ties), and in a float16 model those it keeps float32 there only (``_keep_in_fp32_modules``).
+        ``from_pretrained(dtype=bfloat16)`` keeps the rope tables float32 and vLLM serves with float32 rope
+        tables: rounded to bf16 (relative error ~4e-3), the angle at position
         4095 is off by up to ~0.7 rad and the teacher's features drift from the served target's. Also run
         before every forward, for casts that bypass ``Module._apply`` (FSDP1 casts buffers in place to its
         ``buffer_dtype``)."""
