@@ -31,7 +31,7 @@ from lightning_drafts.training.features_manifest import SHARD_BYTES, storage_dty
 from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
 from lightning_drafts.training.remote_target import RemoteTarget
 from lightning_drafts.training.row_positions import check_row_positions
-from lightning_drafts.training.step_draws import run_seed, step_generator
+from lightning_drafts.training.step_draws import micro_batch_generator
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
 from lightning_drafts.training.unit_ledger import Unit
 
@@ -528,10 +528,9 @@ class DraftModule(L.LightningModule):
 
     def _shared_step(self, batch: Mapping[str, Tensor], stage: str, batch_idx: int) -> dict[str, Any]:
         trainer = self.trainer
-        # A step's micro-batches are told apart by their place in its gradient accumulation; validation's
-        # by their index (the global step stays put while it runs).
-        micro_batch = batch_idx % trainer.accumulate_grad_batches if stage == "train" else batch_idx
-        self._draws = step_generator(run_seed(), stage, trainer.global_step, trainer.global_rank, micro_batch)
+        self._draws = micro_batch_generator(
+            stage, batch_idx, trainer.global_step, trainer.global_rank, trainer.accumulate_grad_batches
+        )
         try:
             output = self.compute_loss(batch)
         finally:

@@ -38,3 +38,14 @@ def step_generator(seed: int, stage: str, step: int, rank: int, micro_batch: int
     key = json.dumps([int(seed), stage, int(step), int(rank), int(micro_batch)]).encode()
     value = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
     return torch.Generator(device="cpu").manual_seed(value)
+
+
+def micro_batch_generator(
+    stage: str, batch_idx: int, step: int, rank: int, accumulate: int
+) -> torch.Generator:
+    """The generator of one training or validation micro-batch of the running fit: :func:`step_generator`
+    of the run's seed. A training step's micro-batches are told apart by their place in its gradient
+    accumulation (``batch_idx`` counts on across steps); validation's by their index, since the global step
+    stays put while it runs."""
+    micro_batch = batch_idx % accumulate if stage == "train" else batch_idx
+    return step_generator(run_seed(), stage, step, rank, micro_batch)
