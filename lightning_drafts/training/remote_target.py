@@ -25,24 +25,10 @@ from torch import Tensor
 
 from lightning_drafts.training.target_worker import TargetWorker
 from lightning_drafts.training.unit_ledger import Unit, UnitLedger
+from lightning_drafts.training.worker_identity import fingerprint_mismatch, identity_mismatch
 
 logger = logging.getLogger("lightning_drafts.training")
 
-# Identity fields that change the features a worker computes (threads are set by the trainer; the decoder
-# fingerprint is compared among the workers, since a trainer without the decoder cannot compute it).
-CHECKED_FIELDS = (
-    "config_hash",
-    "dtype",
-    "hidden_size",
-    "num_layers",
-    "vocab_size",
-    "weights",
-    "file_sha256",
-    "layer_ids",
-    "final_positions",
-    "attn_backend",
-    "torch",
-)
 # How long one wait for a result blocks before the late units are looked at again.
 POLL_S = 0.05
 # Ray starts its worker processes at niceness 15 (its `worker_niceness`): on a machine that also runs other
@@ -143,7 +129,7 @@ class RemoteTarget:
     def start(self, expected: Mapping[str, Any]) -> None:
         """Start Ray (or join the cluster), start the workers, and refuse any whose identity differs from
         ``expected`` (the trainer's own target, layers, backend and torch) in a field of
-        :data:`CHECKED_FIELDS`, naming the field."""
+        :data:`~lightning_drafts.training.worker_identity.CHECKED_FIELDS`, naming the field."""
         import ray
 
         if not ray.is_initialized():
@@ -157,21 +143,12 @@ class RemoteTarget:
         self.workers = [actor.remote(**self.worker_args) for _ in range(self.num_workers)]
         self.identities = ray.get([worker.identity.remote() for worker in self.workers])
         for index, identity in enumerate(self.identities):
-            for field in CHECKED_FIELDS:
-                if field in expected and identity.get(field) != expected[field]:
-                    self.close()
-                    raise ValueError(
-                        f"target worker {index} serves another target: {field} is {identity.get(field)!r} "
-                        f"there but {expected[field]!r} in the trainer; start the workers with the trainer's "
-                        "target, dtype, layers, attention backend and torch version"
-                    )
-            first = self.identities[0]["decoder_fingerprint"]
-            if identity["decoder_fingerprint"] != first:
+            refused = identity_mismatch(index, identity, expected) or fingerprint_mismatch(
+                index, identity, self.identities[0]
+            )
+            if refused is not None:
                 self.close()
-                raise ValueError(
-                    f"target worker {index}'s decoder weights differ from worker 0's (decoder_fingerprint "
-                    f"{identity['decoder_fingerprint']!r} vs {first!r}); every worker must load one checkpoint"
-                )
+                raise ValueError(refused)
 
     def where(self) -> str:
         """Where the target runs, for the setup summary."""
