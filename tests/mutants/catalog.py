@@ -410,6 +410,46 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/attention/test_compile_variants.py::test_mask_kinds_tell_apart_what_dynamo_guards",),
         "a window and no window share one compiled entry point (a guard variant each)",
     ),
+    # --- what two equal runs cannot show --------------------------------------------------------------------
+    Mutant(
+        "step-draws-blind-to-the-rank",
+        "lightning_drafts/training/step_draws.py",
+        "key = json.dumps([int(seed), stage, int(step), int(rank), int(micro_batch)]).encode()",
+        "key = json.dumps([int(seed), stage, int(step), int(micro_batch)]).encode()",
+        ("tests/training/test_step_draws.py::test_each_input_of_the_key_changes_the_draws",),
+        "every rank draws the same anchors: a resumed run repeats them as faithfully as the uninterrupted one",
+    ),
+    Mutant(
+        "step-draws-one-validation-micro-batch",
+        "lightning_drafts/training/step_draws.py",
+        'micro_batch = batch_idx % accumulate if stage == "train" else batch_idx',
+        'micro_batch = batch_idx % accumulate if stage == "train" else 0',
+        (
+            "tests/training/test_step_draws.py::test_a_fits_micro_batches_are_keyed_by_their_place_in_the_step",
+        ),
+        "every validation batch of a step draws the same anchors (the global step stays put in validation)",
+    ),
+    Mutant(
+        "target-worker-weights-unchecked",
+        "lightning_drafts/training/worker_identity.py",
+        '"weights",',
+        '# "weights",',
+        (
+            "tests/training/test_worker_identity.py::"
+            "test_a_worker_holding_another_random_target_of_the_same_config_is_refused_by_its_weights",
+        ),
+        "a worker holding another target of the same config (other weights) serves the trainer's features",
+    ),
+    Mutant(
+        "target-worker-field-of-one-side-unchecked",
+        "lightning_drafts/training/worker_identity.py",
+        "if identity.get(field) != expected.get(field):",
+        "if field in expected and identity.get(field) != expected[field]:",
+        (
+            "tests/training/test_worker_identity.py::test_a_worker_differing_in_one_field_is_refused_naming_it",
+        ),
+        "a worker that loaded a GGUF file serves a trainer that did not (the file digest on one side only)",
+    ),
 )
 
 
