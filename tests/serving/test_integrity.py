@@ -219,3 +219,32 @@ def test_a_refused_export_leaves_the_destination_as_it_was(tmp_path):
         export_checkpoint(untrained, tmp_path / "refused")
     # No export, no staging left: only the writer lock beside the destination, which stays.
     assert sorted(p.name for p in tmp_path.iterdir()) == [".refused.lock", "untrained.ckpt"]
+
+
+def refusal(capsys, *args: str) -> str:
+    """The one line a command exits with (status 2, no traceback) on ``args``."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("lightning-drafts ")]
+    return line
+
+
+@pytest.mark.parametrize("section", ["state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks"])
+def test_a_checkpoint_missing_a_whole_section_is_refused_naming_the_file_and_the_section(
+    checkpoint, tmp_path, section, capsys
+):
+    # A section dropped whole (a writer that stopped early, an edit) leaves no damaged bytes to see.
+    saved = torch.load(checkpoint, weights_only=False)
+    del saved[section]
+    cut = tmp_path / "cut.ckpt"
+    torch.save(saved, cut)
+    line = refusal(capsys, "export", str(cut), str(tmp_path / "export"))
+    assert line.startswith(f"lightning-drafts export: error: {cut} is damaged: {section} ("), line
+    assert not (tmp_path / "export").exists()
+    # Resuming from it is refused the same way, before the model is built.
+    eagle3 = ROOT / "configs" / "quickstart" / "eagle3.yaml"
+    line = refusal(capsys, "fit", f"--config={eagle3}", f"--ckpt_path={cut}", "--trainer.logger=false")
+    assert line.startswith(f"lightning-drafts fit: error: {cut} is damaged: {section} ("), line
