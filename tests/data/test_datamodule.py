@@ -343,6 +343,36 @@ def test_resume_mid_epoch_continues_exactly(make, packing):
         epoch(mismatched)
 
 
+def resumed_segment(make, state: dict | None, world_size: int, batches: int | None) -> tuple[Counter, dict]:
+    """Documents the ranks of one run segment use (resumed from ``state``, stopped after ``batches``
+    micro-batches per rank, or at the epoch's end), and the state a checkpoint then records (rank 0's)."""
+    seen, states = Counter(), []
+    for rank in range(world_size):
+        module = make(world_size=world_size, rank=rank)
+        if state is not None:
+            module.load_state_dict(state)
+        loader = iter(module.train_dataloader())
+        taken = list(loader) if batches is None else [next(loader) for _ in range(batches)]
+        seen.update(d for batch in taken for d in documents_in_batch(batch))
+        states.append(module.state_dict())
+    assert all(s["consumed"] == states[0]["consumed"] for s in states), states
+    return seen, states[0]
+
+
+@pytest.mark.parametrize("world_sizes", [(1, 1, 1, 1), (2, 1, 2, 1)])
+def test_a_second_and_a_third_mid_epoch_resume_still_use_every_document_once(make, world_sizes):
+    # Interrupted three times mid-epoch (each resume continues from the previous resume's checkpoint), on
+    # one rank throughout and on a world size changing at each resume. A single resume cannot show a
+    # checkpoint of a resumed run recording its position relative to where it resumed.
+    state, seen = None, Counter()
+    for world_size, batches in zip(world_sizes, (3, 2, 2, None), strict=True):
+        documents, state = resumed_segment(make, state, world_size, batches)
+        seen += documents
+        assert state["epoch"] == 0
+    expected = all_documents(make().train_documents)
+    assert seen == expected, f"missing {expected - seen}, repeated {seen - expected}"
+
+
 def test_workers_yield_the_same_batches_in_order(make):
     single = epoch(make(seed=2))
     module = make(seed=2, num_workers=2)
