@@ -7,7 +7,8 @@ anywhere, mid-backward included, where no consistent state exists to save. Here 
 flag; at the end of each training step every rank learns (one all-reduce) whether any rank was signalled,
 and then all of them stop together after that step: the model, optimizer, scheduler, loops and loader
 position saved are exactly those of a finished step, so ``fit --ckpt_path last`` continues the same
-trajectory. A second Ctrl-C interrupts at once (and saves nothing).
+trajectory. A second Ctrl-C interrupts at once (and saves nothing); a second SIGTERM, or a Ctrl-C after a
+SIGTERM, changes nothing: the step is saved once and the exit is the first signal's.
 
 The checkpoint is written where ``--ckpt_path last`` finds it: ``last.ckpt`` in the directory of the first
 ``ModelCheckpoint`` (under the run's TensorBoard version), else in the trainer's ``default_root_dir``.
@@ -56,8 +57,10 @@ class PreemptionCheckpoint(L.Callback):
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self._signum is not None:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        # Only a second Ctrl-C stops at once. A scheduler repeats its SIGTERM, and a user may press Ctrl-C
+        # after one: the first signal still decides, so the step is saved once and the exit is its own.
+        if signum == signal.SIGINT and self._signum == signal.SIGINT:
+            raise KeyboardInterrupt
         if self._signum is None:
             self._signum = signum
             # No logging from inside a signal handler (it may interrupt a log call holding its lock).
