@@ -450,6 +450,61 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a worker that loaded a GGUF file serves a trainer that did not (the file digest on one side only)",
     ),
+    Mutant(
+        "checkpoint-missing-section-passes",
+        "lightning_drafts/training/checkpoint_integrity.py",
+        "if name not in skip and (name not in checkpoint or value_digest(checkpoint[name]) != digest)",
+        "if name not in skip and name in checkpoint and value_digest(checkpoint[name]) != digest",
+        (
+            "tests/serving/test_integrity.py::"
+            "test_a_checkpoint_missing_a_whole_section_is_refused_naming_the_file_and_the_section",
+        ),
+        "a checkpoint without its loops or optimizer state resumes from step 0 or with fresh moments, silently",
+    ),
+    Mutant(
+        "resumed-plan-counts-units-from-its-start",
+        "datamodules/packing.py",
+        "units_after = start + np.concatenate([[0], np.cumsum(sizes.sum(axis=1))])",
+        "units_after = np.concatenate([[0], np.cumsum(sizes.sum(axis=1))])",
+        (
+            "tests/data/test_datamodule.py::"
+            "test_a_second_and_a_third_mid_epoch_resume_still_use_every_document_once",
+        ),
+        "a resumed run's checkpoint records the units since the resume: its own resume deals them again",
+    ),
+    Mutant(
+        "resumed-position-counted-twice",
+        "datamodules/loader.py",
+        "return int(units_after[min(max(position - self.skip, 0), len(units_after) - 1)])",
+        "return int(units_after[min(max(position, 0), len(units_after) - 1)])",
+        (
+            "tests/data/test_datamodule.py::"
+            "test_a_second_and_a_third_mid_epoch_resume_still_use_every_document_once",
+        ),
+        "a resumed run's checkpoint counts the batches before the resume twice: its own resume skips documents",
+    ),
+    Mutant(
+        "preemption-ctrl-c-after-sigterm-stops-at-once",
+        "callbacks/preemption.py",
+        "if signum == signal.SIGINT and self._signum == signal.SIGINT:",
+        "if signum == signal.SIGINT and self._signum is not None:",
+        (
+            "tests/training/test_repeated_signals.py::"
+            "test_a_repeated_signal_saves_the_step_once_and_exits_as_the_first_one",
+        ),
+        "a Ctrl-C after a scheduler's SIGTERM interrupts the step: nothing saved, exit 1",
+    ),
+    Mutant(
+        "preemption-last-signal-wins",
+        "callbacks/preemption.py",
+        "if self._signum is None:",
+        "if True:",
+        (
+            "tests/training/test_repeated_signals.py::"
+            "test_a_repeated_signal_saves_the_step_once_and_exits_as_the_first_one",
+        ),
+        "a Ctrl-C after a SIGTERM turns the exit into 130: the scheduler's signal is no longer what the job reports",
+    ),
 )
 
 
