@@ -45,15 +45,22 @@ def exclusive_output(output: str | os.PathLike) -> Iterator[None]:
         yield
         return
     path = lock_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(str(path), timeout=0)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except filelock.Timeout:
         raise OutputInUse(
             f"{output} is being written by another run ({_owner(path)}); wait for it to end, or write to "
             f"another path (its lock: {path})"
         ) from None
+    except OSError as error:
+        # The lock is the first file written beside the output: a read-only directory is refused here, and
+        # the user knows the output path, not the lock file's.
+        raise OSError(
+            f"{output} cannot be written: {error.strerror or error} in {key.parent}; write to a path in a "
+            "directory you can write"
+        ) from error
     _HELD.add(key)
     try:
         path.write_text(

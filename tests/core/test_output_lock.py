@@ -47,3 +47,16 @@ def test_an_export_into_a_directory_another_run_writes_is_refused_and_changes_no
     write_export(output, {"architectures": ["X"]}, {"w": torch.zeros(2)})
     assert sorted(p.name for p in output.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".export.lock", "export"]
+
+
+def test_an_output_that_cannot_be_written_is_refused_naming_the_output_not_its_lock(tmp_path):
+    # Opening the lock file fails as it does in a read-only directory (there with "Permission denied" or
+    # "Read-only file system"); a directory in its place fails for any user, root included.
+    output = tmp_path / "export"
+    lock_path(output).mkdir()
+    with pytest.raises(OSError) as refused:
+        with exclusive_output(output):
+            pytest.fail("the lock was taken")
+    message = str(refused.value)
+    assert message.startswith(f"{output} cannot be written: Is a directory in {tmp_path}; "), message
+    assert ".lock" not in message
