@@ -29,6 +29,7 @@ from lightning_drafts.serving.decode import Generation, as_prompt, greedy_genera
 from lightning_drafts.serving.draft_tree import TreeShape
 from lightning_drafts.serving.export_files import CONFIG_FILE, read_export
 from lightning_drafts.serving.family import DraftFamily, Speculator
+from lightning_drafts.serving.other_target import naming_both_targets
 from lightning_drafts.serving.progress import announce, map_with_progress
 from lightning_drafts.serving.prompt_limits import check_positions, cut_prompts, report_cut_prompts
 from lightning_drafts.serving.prompt_sets import Conversation
@@ -155,7 +156,13 @@ def evaluate_family_export(
     say(f"evaluate: loading the target ({_target_name(target, config)})")
     frozen = resolve_target(target, config, directory, target_seed, target_attn_backend, target_dtype, device)
     say(f"evaluate: validating the export {directory}")
-    summary = family.validate(directory, frozen)
+    try:
+        summary = family.validate(directory, frozen)
+    except ValueError as error:
+        recorded = (config.get("lightning_drafts") or {}).get("target")
+        if target is None or recorded is None or target == recorded:
+            raise
+        raise naming_both_targets(directory, recorded, target, error) from error
     stop = _stop_tokens(frozen) if stop_token_ids is None else set(stop_token_ids)
     speculator = family.load_speculator(directory, frozen, steps)
     baseline = baseline or any(len(c.turns) > 1 for c in conversations)

@@ -331,3 +331,41 @@ def test_a_smaller_evaluate_run_never_replaces_the_cards_measurement(tmp_path, c
     said = evaluate(3, 5)
     assert said.startswith("updated ") and served(card.read_text()) == ["3"]
     assert "smaller run" not in card.read_text()
+
+
+def test_evaluate_with_another_target_than_the_drafts_names_both_targets(tmp_path, capsys):
+    export = eagle3_export(TINY_TARGETS["llama"], tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(random_docs([4], vocab=96, seed=5)[0].tolist()))
+    for given, named in [
+        ("shipped:tiny-qwen3", "shipped:tiny-qwen3"),
+        # A config of the same model type and depth, another width: named by its sizes.
+        (
+            json.dumps({**TINY_TARGETS["llama"], "hidden_size": 48}),
+            "a llama config (hidden_size 48, 8 layers",
+        ),
+    ]:
+        target = tmp_path / "other.json"
+        target.write_text(given)
+        argument = given if given.startswith("shipped:") else str(target)
+        with pytest.raises(SystemExit) as exit_:
+            main(
+                [
+                    "evaluate",
+                    str(export),
+                    "--target",
+                    argument,
+                    "--prompts",
+                    str(prompts),
+                    "--num-prompts",
+                    "1",
+                ]
+            )
+        assert exit_.value.code == 2
+        (line,) = [
+            line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-drafts ")
+        ]
+        assert line.startswith(
+            f"lightning-drafts evaluate: error: {export} was trained for a llama config (hidden_size 32, 8 "
+            f"layers, vocab_size 96), but the target given is {named}"
+        ), line
