@@ -2,6 +2,11 @@
 
 Lightning's bars show the logger's run version as ``v_num`` beside the metrics, as if it were one, and
 the rich bar prints a run bounded by ``max_steps`` (``max_epochs`` -1, unbounded) as ``Epoch 0/-2``.
+
+After a mid-epoch resume the bars count the epoch's batches from its start (the batch index goes on from
+the checkpoint's), but Lightning bounds their total by the steps left *since the resume*: a run resumed at
+step 123 of 200 showed ``200/77``, and the tqdm bar, whose total is only set at an epoch's start, showed no
+total at all. Here the total is the batch the epoch ends at, counted from the epoch's start too.
 """
 
 from __future__ import annotations
@@ -11,13 +16,30 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 # Lightning's version number of the run, which its bars add to the metrics.
 VERSION_ITEM = "v_num"
 
 
+def epoch_end_batch(trainer: L.Trainer) -> int | float:
+    """The batch count of the running epoch at which its bar is full: the epoch's length, or, in a run
+    bounded by ``max_steps``, the batch that reaches it (the batches this epoch already ran, resumed ones
+    included, plus the steps left), as Lightning counts it (one batch a step)."""
+    batches = trainer.num_training_batches
+    if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+        ran = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return min(batches, ran + trainer.max_steps - trainer.global_step)
+    return batches
+
+
 class DraftRichProgressBar(RichProgressBar):
-    """Lightning's rich progress bar without ``v_num``, and without an epoch bound a run does not have."""
+    """Lightning's rich progress bar without ``v_num``, without an epoch bound a run does not have, and
+    with a total that holds after a mid-epoch resume."""
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return epoch_end_batch(self.trainer)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return _without_version(super().get_metrics(trainer, pl_module))
@@ -30,7 +52,20 @@ class DraftRichProgressBar(RichProgressBar):
 
 
 class DraftTQDMProgressBar(TQDMProgressBar):
-    """Lightning's tqdm progress bar without ``v_num`` (used where ``rich`` is not installed)."""
+    """Lightning's tqdm progress bar without ``v_num``, with a total that holds after a mid-epoch resume
+    (used where ``rich`` is not installed)."""
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return epoch_end_batch(self.trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # A mid-epoch resume skips on_train_epoch_start, where Lightning sets the bar's total and epoch.
+        bar = self._train_progress_bar
+        if bar is not None and bar.total is None:
+            bar.total = convert_inf(self.total_train_batches)
+            bar.set_description(f"Epoch {trainer.current_epoch}")
+        super().on_train_batch_end(trainer, pl_module, *args)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return _without_version(super().get_metrics(trainer, pl_module))
