@@ -19,7 +19,7 @@ import yaml
 
 from lightning_drafts.gguf import is_gguf
 from lightning_drafts.serving.export_files import CARD_FILE, CONFIG_FILE
-from lightning_drafts.shipped import SHIPPED_PREFIX, resolve_shipped
+from lightning_drafts.shipped import SHIPPED_PREFIX
 
 if TYPE_CHECKING:
     from lightning_drafts.serving.family import DraftFamily
@@ -59,14 +59,29 @@ def family_tag(module: DraftModule) -> str:
     return type(module).__name__.removesuffix("Module").lower()
 
 
+# What the serving commands say for a target that was a folder of the training machine: its path there
+# means nothing where the card is read (another machine, the hub).
+TARGET_PLACEHOLDER = "TARGET_DIR"
+
+
+def is_local_target(target: str) -> bool:
+    """Whether ``target`` names a folder of this machine (a shipped target, an absolute path, a relative
+    path that exists) rather than a hub id."""
+    if target.startswith(SHIPPED_PREFIX):
+        return True
+    path = Path(target).expanduser()
+    return path.is_absolute() or path.exists()
+
+
 def served_target(target: Any) -> str:
-    """The target as an engine is given it: a hub id or path as recorded, a shipped target's directory,
-    a GGUF file's converted folder (:func:`converted_folder`)."""
+    """The target as the card's commands give it to an engine: a hub id as recorded; a GGUF file's
+    converted folder by its name (:func:`converted_folder`); :data:`TARGET_PLACEHOLDER` for a local folder,
+    a config dict or a model instance (no path of the training machine goes into the card)."""
     if isinstance(target, str):
         if is_gguf(target):
-            return converted_folder(target)
-        return str(resolve_shipped(target)) if target.startswith(SHIPPED_PREFIX) else target
-    return "TARGET_DIR"  # a config-dict target or a model instance: save_pretrained it and give that path
+            return Path(converted_folder(target)).name
+        return TARGET_PLACEHOLDER if is_local_target(target) else target
+    return TARGET_PLACEHOLDER
 
 
 def converted_folder(gguf_file: str) -> str:
@@ -112,13 +127,23 @@ def render_card(
     """The card's Markdown for ``module``'s export (``config`` is its ``config.json``)."""
     target = module.hparams.get("target")
     target_name = target if isinstance(target, str) else None
+    # A folder of the training machine is named by its own name only (the hub has no base model of it).
+    folder = (
+        target_name is not None
+        and is_local_target(target_name)
+        and not target_name.startswith(SHIPPED_PREFIX)
+    )
     architecture = config["architectures"][0]
     tags = ["speculative-decoding", family_tag(module)]
     front = {"library_name": LIBRARY_NAME, "tags": tags}
-    if target_name is not None:
+    if target_name is not None and not folder:
         front = {"base_model": target_name, **front}
+    if folder:
+        target_name = Path(target_name).name
     num_steps = family.default_num_steps(dict(config))
-    commands = serving_commands(family, architecture, served_target(target), export_dir.resolve(), num_steps)
+    # The export by its folder's name: the commands run from the directory that holds it.
+    draft = Path(export_dir.resolve().name)
+    commands = serving_commands(family, architecture, served_target(target), draft, num_steps)
     settings = {k: v for k, v in module.hparams.items() if not k.startswith("_") and k not in NOT_SETTINGS}
 
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
@@ -146,18 +171,31 @@ def render_card(
             lines += [f"{engine}: this layout is not one {engine} loads.", ""]
         else:
             lines += [f"{engine}:", "", "```bash", command, "```", ""]
+    lines += [
+        f"`{draft}`: this export's folder (run the commands from the directory that holds it, or give its path "
+        "or hub id instead).",
+        "",
+    ]
     if not isinstance(target, str):
         lines += [
-            "`TARGET_DIR`: the target saved with `save_pretrained` (it was not given by id or path).",
+            f"`{TARGET_PLACEHOLDER}`: the target saved with `save_pretrained` (it was not given by id or path).",
             "",
         ]
     elif is_gguf(target):
-        folder = converted_folder(target)
+        gguf, folder = Path(target).name, served_target(target)
         lines += [
-            f"`{folder}`: the GGUF target `{target}` written as a Hugging Face folder, which the engines "
-            f"load: `lightning-drafts convert-gguf {shlex.quote(target)} {shlex.quote(folder)}`.",
+            f"`{folder}`: the GGUF target `{gguf}` written as a Hugging Face folder, which the engines "
+            f"load: `lightning-drafts convert-gguf {shlex.quote(gguf)} {shlex.quote(folder)}`.",
             "",
         ]
+    elif target.startswith(SHIPPED_PREFIX):
+        lines += [
+            f"`{TARGET_PLACEHOLDER}`: the folder of the shipped target `{target}`, printed by "
+            f"`python -c 'from lightning_drafts.shipped import resolve_shipped; print(resolve_shipped(\"{target}\"))'`.",
+            "",
+        ]
+    elif is_local_target(target):
+        lines += [f"`{TARGET_PLACEHOLDER}`: the target's folder (`{Path(target).name}` in training).", ""]
     lines += ["## Served acceptance", "", RESULTS_BEGIN, NO_RESULTS, RESULTS_END, ""]
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,7 @@ EXPECTED = [
     ("DSparkModule", "nemo", "dspark", "dspark", None, lambda m: m.block_size),
 ]
 CASE_BY_NAME = {cls.__name__: case for cls, case in CASES.items()}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def commands(body: str) -> dict[str, list[str]]:
@@ -86,7 +88,7 @@ def test_an_export_s_card_reads_back_with_its_serving_commands(
     assert vllm[:3] == ["vllm", "serve", "TARGET_DIR"] and vllm[3] == "--speculative-config"
     assert json.loads(vllm[4]) == {
         "method": method,
-        "model": str(export.resolve()),
+        "model": "draft",
         "num_speculative_tokens": n,
     }
     if algorithm is None:
@@ -97,10 +99,42 @@ def test_an_export_s_card_reads_back_with_its_serving_commands(
     assert sglang[:3] == ["python", "-m", "sglang.launch_server"]
     assert options["--model"] == "TARGET_DIR"
     assert options["--speculative-algorithm"] == algorithm
-    assert options["--speculative-draft-model-path"] == str(export.resolve())
+    assert options["--speculative-draft-model-path"] == "draft"
     assert options["--speculative-num-draft-tokens"] == str(n + 1)
     if algorithm == "EAGLE3":
         assert options["--speculative-num-steps"] == str(n) and options["--speculative-eagle-topk"] == "1"
+
+
+@pytest.mark.parametrize("kind", ["a local folder", "shipped", "a GGUF file", "a hub id"])
+def test_a_card_carries_no_path_of_the_training_machine(kind, tmp_path):
+    # The export and a local target live under tmp_path (the shipped targets under the repository): the
+    # card, read on another machine or the hub, names the export by its folder and a local target by a
+    # placeholder it explains.
+    case = CASE_BY_NAME["Eagle3Module"]
+    module = case.build(TINY_TARGETS[case.targets[0]])
+    target = {
+        "a local folder": str(tmp_path / "models" / "llama-8b"),
+        "shipped": "shipped:tiny-llama",
+        "a GGUF file": str(tmp_path / "models" / "llama-8b.gguf"),
+        "a hub id": "meta-llama/Llama-3.1-8B-Instruct",
+    }[kind]
+    module.hparams["target"] = target
+    family = REGISTRY.for_module(module)
+    export = family.export(module, tmp_path / "exports" / "draft")
+    text = (export / CARD_FILE).read_text()
+    assert str(tmp_path) not in text and str(ROOT) not in text
+    served = commands(read_card(export)[1])
+    served_target = {
+        "a local folder": "TARGET_DIR",
+        "shipped": "TARGET_DIR",
+        "a GGUF file": "llama-8b-hf",
+        "a hub id": "meta-llama/Llama-3.1-8B-Instruct",
+    }[kind]
+    assert served["vLLM"][2] == served_target and json.loads(served["vLLM"][4])["model"] == "draft"
+    options = dict(zip(served["SGLang"][3::2], served["SGLang"][4::2], strict=True))
+    assert options["--model"] == served_target and options["--speculative-draft-model-path"] == "draft"
+    if served_target != target:
+        assert f"`{served_target}`: " in text  # the placeholder is explained
 
 
 def test_evaluate_s_results_replace_only_the_results_section(tmp_path):
