@@ -5,6 +5,7 @@ from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import DraftRichProgressBar, DraftTQDMProgressBar
 from lightning_drafts.callbacks.served_acceptance import ServedAcceptanceCallback
+from lightning_drafts.callbacks.slow_steps import SlowStepsNotice
 from lightning_drafts.callbacks.throughput import ThroughputCallback
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "DraftTQDMProgressBar",
     "PreemptionCheckpoint",
     "ServedAcceptanceCallback",
+    "SlowStepsNotice",
     "ThroughputCallback",
 ]
