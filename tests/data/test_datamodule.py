@@ -430,6 +430,45 @@ def test_resume_through_lightning_checkpoint(make, tmp_path):
     assert saved["epoch"] == 0 and full[: saved["position"]] + resumed == full
 
 
+def test_a_third_resume_through_lightning_checkpoints_still_uses_every_document_once(make, tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class DocumentRecorder(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.seen: Counter = Counter()
+
+        def training_step(self, batch, batch_idx):
+            self.seen.update(documents_in_batch(batch))
+            return self.weight.sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    # Each segment resumes from the checkpoint the previous one wrote at its last step (the Trainer's own
+    # count of batches is the saved position here), and the last one runs to the epoch's end.
+    seen, checkpoint = Counter(), None
+    for segment, stop in enumerate((4, 7, 9, -1)):
+        model = DocumentRecorder()
+        saved = tmp_path / str(segment)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            max_steps=stop,
+            logger=False,
+            callbacks=[ModelCheckpoint(dirpath=saved, every_n_train_steps=1, save_top_k=-1)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, datamodule=make(), ckpt_path=checkpoint)
+        seen += model.seen
+        if stop > 0:
+            (checkpoint,) = [str(p) for p in saved.glob(f"*step={stop}.ckpt")]
+    expected = all_documents(make().train_documents)
+    assert seen == expected, f"missing {expected - seen}, repeated {seen - expected}"
+
+
 @pytest.mark.parametrize("packing", ["buffer", "microbatch", False])
 def test_ranks_are_disjoint_and_cover_every_document(make, packing):
     ranks = [make(packing=packing, world_size=2, rank=rank) for rank in (0, 1)]
