@@ -6,7 +6,8 @@ the rich bar prints a run bounded by ``max_steps`` (``max_epochs`` -1, unbounded
 After a mid-epoch resume the bars count the epoch's batches from its start (the batch index goes on from
 the checkpoint's), but Lightning bounds their total by the steps left *since the resume*: a run resumed at
 step 123 of 200 showed ``200/77``, and the tqdm bar, whose total is only set at an epoch's start, showed no
-total at all. Here the total is the batch the epoch ends at, counted from the epoch's start too.
+total at all; with ``accumulate_grad_batches`` above 1 it took a step for one batch, so the count outran the
+total in any run. Here the total is the batch the epoch ends at, counted from the epoch's start too.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ VERSION_ITEM = "v_num"
 
 def epoch_end_batch(trainer: L.Trainer) -> int | float:
     """The batch count of the running epoch at which its bar is full: the epoch's length, or, in a run
-    bounded by ``max_steps``, the batch that reaches it (the batches this epoch already ran, resumed ones
-    included, plus the steps left), as Lightning counts it (one batch a step)."""
+    bounded by ``max_steps``, the batch that reaches it: the batches this epoch already ran (resumed ones
+    included) plus those of the steps left, ``accumulate_grad_batches`` each, less those already
+    accumulated toward the next step (Lightning counted one batch a step)."""
     batches = trainer.num_training_batches
     if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
         ran = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return min(batches, ran + trainer.max_steps - trainer.global_step)
+        accumulate = trainer.accumulate_grad_batches
+        left = (trainer.max_steps - trainer.global_step) * accumulate - ran % accumulate
+        return min(batches, ran + left)
     return batches
 
 

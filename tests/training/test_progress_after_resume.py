@@ -1,6 +1,7 @@
 """The console bar of a run bounded by ``max_steps`` and resumed mid-epoch ends full: its count (the
 epoch's batches, from the epoch's start) reaches its total exactly at the last step, for the rich bar and
-the tqdm one. Lightning bounded the total by the steps left since the resume (``200/77``)."""
+the tqdm one, with one batch a step or two. Lightning bounded the total by the steps left since the resume
+(``200/77``), and counted a step as one batch whatever the accumulation."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_drafts.callbacks.progress import DraftRichProgressBar, DraftTQDMProgressBar
 
-# BoringModel's epoch: 64 random samples, batches of 2 (32 batches). Saved at step 8, resumed to step 20.
-SAVED_AT, MAX_STEPS, EPOCH_BATCHES = 8, 20, 32
+# BoringModel's epoch: 64 random samples, batches of 2 (32 batches). Saved at step 4, resumed to step 10.
+SAVED_AT, MAX_STEPS, EPOCH_BATCHES = 4, 10, 32
 
 
 class BarReading(L.Callback):
@@ -34,12 +35,15 @@ class BarReading(L.Callback):
             self.readings.append((bar.train_progress_bar.n, bar.train_progress_bar.total))
 
 
-def fit(tmp_path: Path, bar: L.Callback, max_steps: int, ckpt_path: str | None = None) -> BarReading:
+def fit(
+    tmp_path: Path, bar: L.Callback, accumulate: int, max_steps: int, ckpt_path: str | None = None
+) -> BarReading:
     reading = BarReading()
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=-1,
         max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
         logger=False,
         limit_val_batches=0,
         enable_model_summary=False,
@@ -54,12 +58,14 @@ def fit(tmp_path: Path, bar: L.Callback, max_steps: int, ckpt_path: str | None =
     return reading
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("bar", [DraftRichProgressBar, DraftTQDMProgressBar])
-def test_a_bar_resumed_mid_epoch_counts_to_its_total_at_the_last_step(tmp_path, bar):
-    first = fit(tmp_path, bar(), SAVED_AT).readings
-    assert first == [(n, SAVED_AT) for n in range(1, SAVED_AT + 1)], first
+def test_a_bar_resumed_mid_epoch_counts_to_its_total_at_the_last_step(tmp_path, bar, accumulate):
+    saved, end = SAVED_AT * accumulate, MAX_STEPS * accumulate  # the batches of those steps
+    first = fit(tmp_path, bar(), accumulate, SAVED_AT).readings
+    assert first == [(n, saved) for n in range(1, saved + 1)], first
     (checkpoint,) = tmp_path.glob(f"*step={SAVED_AT}.ckpt")
-    readings = fit(tmp_path, bar(), MAX_STEPS, str(checkpoint)).readings
-    assert MAX_STEPS < EPOCH_BATCHES  # the run ends inside the epoch it resumed
-    # The bar counts batches SAVED_AT + 1 .. MAX_STEPS of the epoch, out of the MAX_STEPS it ends at.
-    assert readings == [(n, MAX_STEPS) for n in range(SAVED_AT + 1, MAX_STEPS + 1)], readings
+    readings = fit(tmp_path, bar(), accumulate, MAX_STEPS, str(checkpoint)).readings
+    assert end < EPOCH_BATCHES  # the run ends inside the epoch it resumed
+    # The bar counts the epoch's batches after the saved step's, out of the batch the last step ends at.
+    assert readings == [(n, end) for n in range(saved + 1, end + 1)], readings
