@@ -127,19 +127,11 @@ def render_card(
     """The card's Markdown for ``module``'s export (``config`` is its ``config.json``)."""
     target = module.hparams.get("target")
     target_name = target if isinstance(target, str) else None
-    # A folder of the training machine is named by its own name only (the hub has no base model of it).
-    folder = (
-        target_name is not None
-        and is_local_target(target_name)
-        and not target_name.startswith(SHIPPED_PREFIX)
-    )
     architecture = config["architectures"][0]
     tags = ["speculative-decoding", family_tag(module)]
     front = {"library_name": LIBRARY_NAME, "tags": tags}
-    if target_name is not None and not folder:
+    if target_name is not None:
         front = {"base_model": target_name, **front}
-    if folder:
-        target_name = Path(target_name).name
     num_steps = family.default_num_steps(dict(config))
     # The export by its folder's name: the commands run from the directory that holds it.
     draft = Path(export_dir.resolve().name)

@@ -78,6 +78,7 @@ def test_a_real_config_fits_exports_and_validates_on_a_gguf_target(config, tiny_
     summary = validate_export(export, cli.model.target)
     assert summary is not None
     card = (export / "README.md").read_text()
-    folder = str(gguf_path)[: -len(".gguf")] + "-hf"
+    # The serve commands name the converted folder by its name: no path of this machine.
+    folder = gguf_path.name[: -len(".gguf")] + "-hf"
     assert f"base_model: {gguf_path}" in card
-    assert f"serve {folder} " in card and f"convert-gguf {gguf_path} {folder}" in card
+    assert f"serve {folder} " in card and f"convert-gguf {gguf_path.name} {folder}" in card
