@@ -1,4 +1,4 @@
-"""The DSpark draft network (dspark.md §4): the DFlash backbone plus its own embedding / LM head copies,
+"""The DSpark draft network (docs/concepts/dspark.md#draft-network): the DFlash backbone plus its own embedding / LM head copies,
 the Markov head and the confidence head.
 
 The backbone is DFlash's, unchanged and imported (``fc`` + ``hidden_norm`` over the concatenated target

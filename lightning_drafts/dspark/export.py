@@ -1,5 +1,5 @@
 """DSpark exports: NeMo's self-contained ``Qwen3DSparkModel`` layout and the SpecForge / SGLang
-``DSparkDraftModel`` serving layout (dspark.md §13). Both are a directory with ``config.json`` and
+``DSparkDraftModel`` serving layout (docs/concepts/dspark.md#serving-layout). Both are a directory with ``config.json`` and
 ``model.safetensors``; both reload into :class:`~lightning_drafts.dspark.module.DSparkModule`.
 
 Weights (no ``model.`` prefix; ``rotary_emb.inv_freq`` is never saved, readers rebuild it in fp32), with
