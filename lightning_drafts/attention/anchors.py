@@ -48,9 +48,9 @@ def anchor_candidates(packed: PackedBatch, block_size: int, partial_blocks: bool
     document (``doc_remaining[t] >= block_size - 1``; this implies ``t <= T - block_size``), so a
     document shorter than a block gives none.
 
-    Partial blocks (``partial_blocks=True``, DSpark, docs/concepts/dspark.md#supervised-slots): the anchor and the next token are
-    supervised and the next token is in the same document (``doc_remaining[t] >= 1``); the block's
-    supervision is truncated at the document end by the caller.
+    Partial blocks (``partial_blocks=True``, DSpark, docs/concepts/dspark.md#supervised-slots): the anchor and
+    the next token are supervised and the next token is in the same document (``doc_remaining[t] >= 1``); the
+    block's supervision is truncated at the document end by the caller.
     """
     check_int("block_size", block_size, 1)
     supervised = packed.loss_mask

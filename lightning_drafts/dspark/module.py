@@ -68,8 +68,9 @@ LOSS_TERMS = ("ce_loss", "tv_loss", "confidence_loss")
 
 
 class DSparkModule(DraftModule):
-    """DSpark (docs/concepts/dspark.md): a DFlash-style block drafter whose slot k predicts the token at ``anchor + k + 1``,
-    plus a Markov head (low-rank bigram bias from the previous token) and a confidence head.
+    """DSpark (docs/concepts/dspark.md): a DFlash-style block drafter whose slot k predicts the token at
+    ``anchor + k + 1``, plus a Markov head (low-rank bigram bias from the previous token) and a confidence
+    head.
 
     Args:
         target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.

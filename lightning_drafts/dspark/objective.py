@@ -1,4 +1,5 @@
-"""The DSpark three-term loss (docs/concepts/dspark.md#loss): ``ce`` + ``tv`` + ``conf``, decay-weighted per slot.
+"""The DSpark three-term loss (docs/concepts/dspark.md#loss): ``ce`` + ``tv`` + ``conf``, decay-weighted per
+slot.
 
 Per supervised slot k (weight ``w_k = eval_k * exp(-k / gamma)``, 0-based k, uniform when gamma is
 None):
