@@ -5,7 +5,6 @@ docstring, is missing from the page, and these tests fail."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -17,15 +16,6 @@ PAGE = ROOT / "docs" / "architecture.md"
 # development checkout: the page names the top-level folders.
 LINKED = {ROOT / "lightning_drafts" / "datamodules", ROOT / "lightning_drafts" / "callbacks"}
 MODULES = re.compile(r"^<!-- modules: (\S+) -->$", re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def hooks():
-    spec = importlib.util.spec_from_file_location("docs_hooks_architecture", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    module.modules.cache_clear()
 
 
 def source_files() -> list[Path]:
