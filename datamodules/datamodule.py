@@ -50,7 +50,9 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 class PackedChatDataModule(LightningDataModule):
-    """Tokenised, assistant-masked chat data packed into rows of ``max_tokens`` (see ARCHITECTURE section 6).
+    """Tokenised, assistant-masked chat data packed into rows of ``max_tokens``.
+
+    The packing modes: docs/concepts/packing.md#the-data-module-packedchatdatamodule.
 
     Args:
         data_files: JSON / JSONL / Parquet file(s) or glob(s) of OpenAI ``messages`` or ShareGPT

@@ -1,7 +1,8 @@
 """Packing plans over document lengths and vectorised collation into contract batches.
 
-Three modes (ARCHITECTURE section 6), all producing batches that ``lightning_drafts.core.batch.validate_batch``
-accepts, with trailing padding folded into each row's last document:
+Three modes (docs/concepts/packing.md#the-data-module-packedchatdatamodule), all producing batches that
+``lightning_drafts.core.batch.validate_batch`` accepts, with trailing padding folded into each row's last
+document:
 
 * ``"buffer"``: best-fit-decreasing over a window of ``shuffle_buffer`` shuffled documents into rows of
   ``max_tokens``; rows are shuffled and grouped ``batch_size`` rows per micro-batch.

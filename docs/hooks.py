@@ -9,11 +9,14 @@ A page writes a directive on a line of its own; the hook replaces it:
 * ``<!-- readme -->`` as a whole page: the repository's README (the home page);
 * ``<!-- include: path/FILE.md -->`` or ``<!-- include: path/FILE.md#Heading text -->``: a recorded
   results file of the repository (or one section of it, headings demoted under the page's own);
-* ``<!-- code: path/FILE language -->``: a repository file verbatim in a fenced block.
+* ``<!-- code: path/FILE language -->``: a repository file verbatim in a fenced block;
+* ``<!-- modules: FOLDER -->``: a table of the folder's Python files (not its subfolders), each with the
+  first line of its module docstring.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import inspect
@@ -27,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README_DIRECTIVE = "<!-- readme -->"
 SPHINX_ROLE = re.compile(r":(?:mod|class|func|meth|data|attr):`~?([^`]+)`")
-DIRECTIVE = re.compile(r"^<!-- (cli|hyperparameters|include|code): (.+?) -->$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^<!-- (cli|hyperparameters|include|code|modules): (.+?) -->$", re.MULTILINE)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' signature)
@@ -148,4 +151,26 @@ def code(spec: str) -> str:
     return f"````{language}\n{(ROOT / relative).read_text().rstrip()}\n````"
 
 
-RENDERERS = {"cli": cli_help, "hyperparameters": hyperparameters, "include": include, "code": code}
+@cache
+def modules(folder: str) -> str:
+    """The folder's source files and what each holds, from the first line of its module docstring."""
+    rows = ["| file | what it holds |", "|---|---|"]
+    for path in sorted((ROOT / folder).glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text()))
+        # The first paragraph: a summary line is often wrapped onto the next.
+        first = " ".join(docstring.strip().split("\n\n")[0].split()) if docstring else ""
+        if not first:
+            raise ValueError(
+                f"{folder}/{path.name} has no module docstring: the architecture page lists it by one"
+            )
+        rows.append(_row((f"`{path.name}`", SPHINX_ROLE.sub(r"`\1`", first))))
+    return "\n".join(rows)
+
+
+RENDERERS = {
+    "cli": cli_help,
+    "hyperparameters": hyperparameters,
+    "include": include,
+    "code": code,
+    "modules": modules,
+}

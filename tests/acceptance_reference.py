@@ -1,5 +1,5 @@
-"""The acceptance length by its definition (eagle3.md §7, NeMo's tau_sim), written out over plain lists: the
-independent reference a logged ``accept_len`` is compared with."""
+"""The acceptance length by its definition (docs/concepts/eagle3.md#simulated-acceptance-length, NeMo's
+tau_sim), written out over plain lists: the independent reference a logged ``accept_len`` is compared with."""
 
 from __future__ import annotations
 

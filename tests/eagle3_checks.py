@@ -63,7 +63,8 @@ def assert_same_objective(module: Eagle3Base, first: dict, second: dict) -> None
 
 
 def check_gate_worked_example(module_class: type[Eagle3Base], target: dict) -> None:
-    """eagle3.md §6.1: two documents of 4 in T = 8, all-ones mask, K = 4: 26 ungated vs 12 gated."""
+    """docs/concepts/eagle3.md#packing: two documents of 4 in T = 8, all-ones mask, K = 4: 26 ungated vs 12
+    gated."""
     trainer_mask = torch.ones(2, 8, dtype=torch.bool)
     doc_remaining = torch.tensor([[3, 2, 1, 0, 3, 2, 1, 0]] * 2)
     ungated = sum(int(step_masks(trainer_mask, trainer_mask, None, k)[1].sum()) for k in range(4))

@@ -43,14 +43,14 @@ class AnchorBlocks:
 def anchor_candidates(packed: PackedBatch, block_size: int, partial_blocks: bool = False) -> Tensor:
     """Bool ``[B, T]``: True where a block may start.
 
-    Whole blocks (``partial_blocks=False``, DFlash / DFlash2, dflash.md §3 and §15): the anchor is
+    Whole blocks (``partial_blocks=False``, DFlash / DFlash2, docs/concepts/dflash.md#anchors): the anchor is
     supervised and the block's last position ``t + block_size - 1`` is a real token of the same
     document (``doc_remaining[t] >= block_size - 1``; this implies ``t <= T - block_size``), so a
     document shorter than a block gives none.
 
-    Partial blocks (``partial_blocks=True``, DSpark, dspark.md §6): the anchor and the next token are
-    supervised and the next token is in the same document (``doc_remaining[t] >= 1``); the block's
-    supervision is truncated at the document end by the caller.
+    Partial blocks (``partial_blocks=True``, DSpark, docs/concepts/dspark.md#supervised-slots): the anchor and
+    the next token are supervised and the next token is in the same document (``doc_remaining[t] >= 1``); the
+    block's supervision is truncated at the document end by the caller.
     """
     check_int("block_size", block_size, 1)
     supervised = packed.loss_mask

@@ -7,7 +7,7 @@ All blocks of a micro-batch are laid out back to back in ONE flat attention prob
 * queries, ``M * block_size`` long: the block slots only (the context is never a query).
 
 Padding never enters (only real tokens are context) and no row is padded to the busiest one. A
-block's query sees (dflash.md §2, §15):
+block's query sees (docs/concepts/dflash.md#block-attention):
 
 * context keys of its own row and document strictly before its anchor (the anchor's own features
   do not exist yet at decode time), optionally only the last ``sliding_window`` positions counted

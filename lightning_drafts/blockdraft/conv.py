@@ -1,9 +1,9 @@
 """DFlash2's in-block convolution: a two-tap dynamic grouped depthwise conv around each sublayer.
 
 It targets "suffix decay" (draft quality falling toward the end of a block) by letting each slot mix
-in its in-block predecessor (dflash.md §5.2). Taps read only earlier slots of the **same** block
-(zero before the block start), so drafting all blocks at once equals drafting one block at a time.
-It starts as the identity, so a fresh DFlash2 draft computes exactly what DFlash computes.
+in its in-block predecessor (docs/concepts/dflash.md#in-block-convolution). Taps read only earlier slots of
+the **same** block (zero before the block start), so drafting all blocks at once equals drafting one block at
+a time. It starts as the identity, so a fresh DFlash2 draft computes exactly what DFlash computes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The block draft network: Qwen3-style layers whose keys and values span target context + block.
 
 Target features of the listed layers are fused once (``fc`` then ``hidden_norm``) and every layer
-projects them with its own ``k_proj`` / ``v_proj`` ("KV injection", dflash.md §1.3-1.4). Queries are
-the block slots only. The draft has no embedding and no LM head of its own: the caller embeds block
-tokens with the target's frozen embedding and reads logits with the target's frozen LM head.
+projects them with its own ``k_proj`` / ``v_proj`` ("KV injection", docs/concepts/dflash.md#kv-injection).
+Queries are the block slots only. The draft has no embedding and no LM head of its own: the caller embeds
+block tokens with the target's frozen embedding and reads logits with the target's frozen LM head.
 
 Everything runs on the flat layout of :mod:`lightning_drafts.attention.block_masks` (all blocks of the
 micro-batch back to back, batch dimension 1). Module and parameter names follow the published
@@ -26,8 +26,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 from lightning_drafts.attention.backends import mask_for_queries, masked_attention
 from lightning_drafts.blockdraft.conv import GroupedDynamicConv
 
-# Rotary fields a Qwen3 reader would misread (dflash.md §1.4: a leaked partial_rotary_factor makes a
-# server build a quarter-width rotary table).
+# Rotary fields a Qwen3 reader would misread (docs/concepts/dflash.md#draft-config: a leaked
+# partial_rotary_factor makes a server build a quarter-width rotary table).
 FOREIGN_ROPE_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 ATTENTION_OVERRIDES = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
@@ -51,7 +51,8 @@ def draft_config(
     sliding_window: int | None = None,
     overrides: dict[str, int] | None = None,
 ) -> Qwen3Config:
-    """A Qwen3 config for the draft, derived from the target's decoder config (dflash.md §1.4).
+    """A Qwen3 config for the draft, derived from the target's decoder config
+    (docs/concepts/dflash.md#draft-config).
 
     The hidden size always equals the target's (the draft reads the target's embedding and LM head);
     ``overrides`` may change only attention heads, KV heads, head dim and the MLP width.
@@ -102,8 +103,8 @@ class DraftRotaryEmbedding(nn.Module):
     """RoPE whose ``inv_freq`` stays fp32 through every dtype cast.
 
     A bf16-rounded ``inv_freq`` dephases with position against the fp32 tables serving engines use
-    and erodes acceptance (dflash.md §1.5), so after any ``.to()`` / ``.half()`` the fp32 reference is
-    restored.
+    and erodes acceptance (docs/concepts/dflash.md#precision), so after any ``.to()`` / ``.half()`` the fp32
+    reference is restored.
     """
 
     def __init__(self, config: Qwen3Config) -> None:

@@ -1,10 +1,11 @@
 """The DFlash objective: block targets, decay-weighted cross-entropy, variable-prefix option.
 
 Block slot k of the block anchored at a predicts the token at a + k ("same-position prediction",
-dflash.md §1.1, §4). Slots ``< known`` hold real tokens (just the anchor for DFlash; a random prefix
-under ``variable_prefix``); the draft predicts the rest. One chain per block (ARCHITECTURE §5):
-chain index j is block slot ``known + j``, so chain position 0 is always the first drafted token and
-the acceptance statistics count the leading run of correct drafts after what the draft was given.
+docs/concepts/dflash.md#the-draft, docs/concepts/dflash.md#objective). Slots ``< known`` hold real tokens
+(just the anchor for DFlash; a random prefix under ``variable_prefix``); the draft predicts the rest. One
+chain per block (docs/concepts/dflash.md#chains-and-acceptance): chain index j is block slot ``known + j``, so
+chain position 0 is always the first drafted token and the acceptance statistics count the leading run of
+correct drafts after what the draft was given.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def sample_prefix_lengths(
     generator: torch.Generator | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
-    """Variable-prefix lengths (D2SD VP-Drafter, dflash.md §4.6): ``l`` in ``[min(2, bs-1), bs-1]``
-    with ``P(l) ∝ base ** l``, drawn with replacement, one per block."""
+    """Variable-prefix lengths (D2SD VP-Drafter, docs/concepts/dflash.md#variable-prefix): ``l`` in
+    ``[min(2, bs-1), bs-1]`` with ``P(l) ∝ base ** l``, drawn with replacement, one per block."""
     low = min(2, block_size - 1)
     lengths = torch.arange(low, block_size, dtype=torch.float64)
     choice = torch.multinomial(base**lengths, count, replacement=True, generator=generator)

@@ -27,8 +27,9 @@ def prefix_counts(correct: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def skip_holes_accept_sums(correct: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """NeMo's DFlash / DFlash2 block acceptance (``compute_accept_len``, dflash.md §4.5) as the exact sums
-    ``(sum over chains with a valid position of 1 + accepted, number of such chains)``.
+    """NeMo's DFlash / DFlash2 block acceptance (``compute_accept_len``,
+    docs/concepts/dflash.md#block-acceptance) as the exact sums ``(sum over chains with a valid position of 1
+    + accepted, number of such chains)``.
 
     ``accepted = sum_k valid_k prod_{j<=k} (correct_j or not valid_j)``: an unsupervised position inside a
     chain is skipped and counting goes on after it, and a chain whose first position is unsupervised

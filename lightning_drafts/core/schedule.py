@@ -1,4 +1,5 @@
-"""The warmup-cosine learning-rate schedule the reference recipes use (eagle3.md §8.1)."""
+"""The warmup-cosine learning-rate schedule the reference recipes use
+(docs/concepts/eagle3.md#learning-rate-schedule)."""
 
 from __future__ import annotations
 

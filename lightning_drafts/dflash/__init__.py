@@ -1,4 +1,5 @@
-"""DFlash and DFlash2: block-parallel drafts (dflash.md) on the shared anchor / block-mask layer."""
+"""DFlash and DFlash2: block-parallel drafts (docs/concepts/dflash.md) on the shared anchor / block-mask
+layer."""
 
 from lightning_drafts.dflash.export import export_draft
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule

@@ -1,6 +1,6 @@
 """Serving export of DFlash / DFlash2 drafts: the layout vLLM's ``dflash`` method and SGLang load.
 
-A directory with ``config.json`` and ``model.safetensors`` (dflash.md §9):
+A directory with ``config.json`` and ``model.safetensors`` (docs/concepts/dflash.md#serving-layout):
 
 * weights: ``layers.N.*``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` (DFlash2 adds
   ``layers.N.attention_conv.*``, ``layers.N.mlp_conv.*`` and ``candidate_selector.*``); no ``model.``

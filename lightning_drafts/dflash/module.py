@@ -60,7 +60,8 @@ DRAFT_BACKENDS = BLOCK_BACKENDS
 
 
 class DFlashModule(DraftModule):
-    """DFlash (dflash.md §1-4): a non-causal draft that fills a block of ``block_size`` tokens at once.
+    """DFlash (docs/concepts/dflash.md#the-draft): a non-causal draft that fills a block of ``block_size``
+    tokens at once.
 
     Args:
         target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.
@@ -384,8 +385,8 @@ class DFlashModule(DraftModule):
 
 
 class DFlash2Module(DFlashModule):
-    """DFlash2 (dflash.md §5): DFlash plus an in-block two-tap convolution around every sublayer and a
-    pairwise path selector over each slot's top-``selector_top_k`` candidates.
+    """DFlash2 (docs/concepts/dflash.md#dflash2): DFlash plus an in-block two-tap convolution around every
+    sublayer and a pairwise path selector over each slot's top-``selector_top_k`` candidates.
 
     ``variable_prefix`` is not supported. ``correct`` is the selector's teacher-forced pick; ``metrics``
     add ``candidate_recall``, ``greedy_accept_len`` (the real greedy selector walk), ``base_accept_len``

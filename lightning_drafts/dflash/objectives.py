@@ -1,4 +1,5 @@
-"""The DFlash / DFlash2 objectives chosen by ``loss_type`` (dflash.md §4.4, §4.6).
+"""The DFlash / DFlash2 objectives chosen by ``loss_type`` (docs/concepts/dflash.md#objective,
+docs/concepts/dflash.md#variable-prefix).
 
 Per chain position ``j`` of block ``m`` (the drafted slots, blockdraft.objective): ``nll`` is the fp32
 cross-entropy over the full vocabulary, ``p = exp(-nll)`` the draft's probability of the gold token,

@@ -1,10 +1,11 @@
 """DFlash2's pairwise path selector: re-ranks each slot's top-K candidates given the previous token.
 
 Drafting every slot by its own argmax lets neighbours disagree; the selector scores candidate ``b``
-at slot t after predecessor ``a`` as ``U_t(b) + <A[a] * P(h_t), B[b]>`` (dflash.md §5.3), with
-``U`` the draft's logits, ``A`` / ``B`` the predecessor / successor codebooks and ``P`` a projection
-of the slot's final hidden state. The successor codebook starts at zero, so a fresh selector ranks
-exactly like the logits. Only the decode walk is sequential, and it touches no backbone work.
+at slot t after predecessor ``a`` as ``U_t(b) + <A[a] * P(h_t), B[b]>``
+(docs/concepts/dflash.md#path-selector), with ``U`` the draft's logits, ``A`` / ``B`` the predecessor /
+successor codebooks and ``P`` a projection of the slot's final hidden state. The successor codebook starts at
+zero, so a fresh selector ranks exactly like the logits. Only the decode walk is sequential, and it touches no
+backbone work.
 """
 
 from __future__ import annotations

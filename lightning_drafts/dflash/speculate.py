@@ -7,14 +7,15 @@ Everything about the draft comes from the export: the network from ``config.json
 the speculator embeds with the target's embedding and reads logits with the target's LM head.
 
 One proposal from a verified prefix ``x_0 .. x_{L-1}`` (the last token, the previous round's bonus token,
-has no target features yet), in the training frame of dflash.md §1-2:
+has no target features yet), in the training frame of docs/concepts/dflash.md#the-draft and
+docs/concepts/dflash.md#block-attention:
 
 * the block is ``[x_{L-1}, MASK, ..., MASK]``: the anchor (the last verified token) and ``num_steps``
   mask slots, at RoPE positions ``L-1 .. L-1+num_steps``. With the default ``num_steps = block_size - 1``
-  this is the trained block (the reference decode's, dflash.md §2.5); asked for fewer tokens, the block is
-  shortened rather than drafted whole and cut, because that is what vLLM serves (its DFlash and DFlash2
-  drafters query the bonus token and ``num_speculative_tokens`` mask tokens, nothing more), and the
-  two-way in-block attention makes the two differ;
+  this is the trained block (the reference decode's, docs/concepts/dflash.md#decoding); asked for fewer
+  tokens, the block is shortened rather than drafted whole and cut, because that is what vLLM serves (its
+  DFlash and DFlash2 drafters query the bonus token and ``num_speculative_tokens`` mask tokens, nothing more),
+  and the two-way in-block attention makes the two differ;
 * the context is the fused target features of ``x_0 .. x_{L-2}``, every one strictly before the anchor (the
   training mask's ``kv < anchor``), narrowed to ``(L-1 + i) - kv < sliding_window`` for slot ``i`` when the
   draft has a window; the block attends to itself both ways;

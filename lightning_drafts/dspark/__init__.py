@@ -1,4 +1,4 @@
-"""DSpark: the block drafter with a Markov head and a confidence head (dspark.md)."""
+"""DSpark: the block drafter with a Markov head and a confidence head (docs/concepts/dspark.md)."""
 
 from lightning_drafts.dspark.export import export_draft
 from lightning_drafts.dspark.module import DSparkModule

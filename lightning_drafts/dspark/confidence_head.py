@@ -1,9 +1,9 @@
 """The DSpark confidence head: a per-slot logit of the probability that the slot's draft is accepted.
 
-At serving time the scheduler reads it to decide how many drafted tokens to verify (dspark.md §1, §5).
-In training its target is the detached acceptance proxy ``alpha = 1 - TV(draft, target)`` of the slot
-(objective.py). Its features are NOT detached: the confidence loss also shapes the backbone and the
-Markov embedding, as in NeMo.
+At serving time the scheduler reads it to decide how many drafted tokens to verify
+(docs/concepts/dspark.md#markov-and-confidence-heads). In training its target is the detached acceptance proxy
+``alpha = 1 - TV(draft, target)`` of the slot (objective.py). Its features are NOT detached: the confidence
+loss also shapes the backbone and the Markov embedding, as in NeMo.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Which target features a DSpark draft reads, and how they are captured (dspark.md §3, §12).
+"""Which target features a DSpark draft reads, and how they are captured
+(docs/concepts/dspark.md#target-features).
 
 Feature ids follow the HF ``output_hidden_states`` offset-1 convention NeMo uses: ``-1`` is the
 embedding output (``hidden_states[0]``), ``0 <= i < L - 1`` the output of decoder layer i

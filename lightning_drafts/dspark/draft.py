@@ -1,5 +1,5 @@
-"""The DSpark draft network (dspark.md §4): the DFlash backbone plus its own embedding / LM head copies,
-the Markov head and the confidence head.
+"""The DSpark draft network (docs/concepts/dspark.md#draft-network): the DFlash backbone plus its own
+embedding / LM head copies, the Markov head and the confidence head.
 
 The backbone is DFlash's, unchanged and imported (``fc`` + ``hidden_norm`` over the concatenated target
 features, computed once and shared by every layer; Qwen3 layers whose keys and values span

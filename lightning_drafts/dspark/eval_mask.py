@@ -1,4 +1,4 @@
-"""What each DSpark block slot is supervised on (dspark.md §6 ``build_eval_mask``, §17).
+"""What each DSpark block slot is supervised on (docs/concepts/dspark.md#supervised-slots).
 
 Slot k of the block anchored at ``a`` predicts the token at ``a + k + 1`` (the shifted convention: slot
 0, the clean anchor, IS supervised, so a block yields K proposals). Slot k counts iff its label lies

@@ -1,6 +1,7 @@
 """DSpark exports: NeMo's self-contained ``Qwen3DSparkModel`` layout and the SpecForge / SGLang
-``DSparkDraftModel`` serving layout (dspark.md §13). Both are a directory with ``config.json`` and
-``model.safetensors``; both reload into :class:`~lightning_drafts.dspark.module.DSparkModule`.
+``DSparkDraftModel`` serving layout (docs/concepts/dspark.md#serving-layout). Both are a directory with
+``config.json`` and ``model.safetensors``; both reload into
+:class:`~lightning_drafts.dspark.module.DSparkModule`.
 
 Weights (no ``model.`` prefix; ``rotary_emb.inv_freq`` is never saved, readers rebuild it in fp32), with
 V = vocabulary, H = hidden size, F = ``len(target_layer_ids)``, r = ``markov_rank``:

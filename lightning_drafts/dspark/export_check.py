@@ -1,4 +1,5 @@
-"""The DSpark export validator: both export layouts (dspark.md §13), checked as their readers read them.
+"""The DSpark export validator: both export layouts (docs/concepts/dspark.md#serving-layout), checked as their
+readers read them.
 
 ``validate_dspark_export`` runs before every ``lightning-drafts evaluate`` of a DSpark export. The
 SpecForge / SGLang ``DSparkDraftModel`` layout (the default) ships no embedding and no LM head (the

@@ -1,4 +1,5 @@
-"""The DSpark Markov head: a low-rank bigram logit bias from the previous token (dspark.md §5).
+"""The DSpark Markov head: a low-rank bigram logit bias from the previous token
+(docs/concepts/dspark.md#markov-and-confidence-heads).
 
 The block drafter predicts every slot of a block in one parallel pass, so slot k cannot see what was
 drafted at slot k - 1 ("suffix decay"). The Markov head re-introduces that dependency cheaply: a

@@ -1,4 +1,4 @@
-"""DSpark's diagnostics (dspark.md §9) as exact (numerator, denominator) sums.
+"""DSpark's diagnostics (docs/concepts/dspark.md#metrics) as exact (numerator, denominator) sums.
 
 * ``accept_rate_k{k}``: mean acceptance proxy ``alpha_k`` over supervised slots k (``accept_rate@k`` in
   NeMo; renamed for TensorBoard), ``accept_rate``: over all slots;

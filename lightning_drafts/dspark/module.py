@@ -1,4 +1,4 @@
-"""DSparkModule: DSpark draft training (dspark.md) with exact sequence packing.
+"""DSparkModule: DSpark draft training (docs/concepts/dspark.md) with exact sequence packing.
 
 One micro-batch: the frozen target captures ``target_layer_ids`` and its final-norm states over every
 row (documents isolated) -> anchors (per document; the anchor and the next token supervised and in one
@@ -68,8 +68,9 @@ LOSS_TERMS = ("ce_loss", "tv_loss", "confidence_loss")
 
 
 class DSparkModule(DraftModule):
-    """DSpark (dspark.md): a DFlash-style block drafter whose slot k predicts the token at ``anchor + k + 1``,
-    plus a Markov head (low-rank bigram bias from the previous token) and a confidence head.
+    """DSpark (docs/concepts/dspark.md): a DFlash-style block drafter whose slot k predicts the token at
+    ``anchor + k + 1``, plus a Markov head (low-rank bigram bias from the previous token) and a confidence
+    head.
 
     Args:
         target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.

@@ -1,4 +1,5 @@
-"""The DSpark three-term loss (dspark.md §8): ``ce`` + ``tv`` + ``conf``, decay-weighted per slot.
+"""The DSpark three-term loss (docs/concepts/dspark.md#loss): ``ce`` + ``tv`` + ``conf``, decay-weighted per
+slot.
 
 Per supervised slot k (weight ``w_k = eval_k * exp(-k / gamma)``, 0-based k, uniform when gamma is
 None):
@@ -12,7 +13,7 @@ None):
 Distribution math is fp32 whatever the model dtype (in bf16, ``p - q`` cancels as acceptance rises).
 Each term is ``sum(w * term) / sum(w)`` over every slot of the micro-batch; under DDP / FSDP the
 denominator is the all-rank sum and the loss is scaled by the world size, so the averaged gradient is
-that of the global token-weighted mean (NeMo's normalisation, §8 / §17).
+that of the global token-weighted mean (NeMo's normalisation).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ the target's LM head (the modules themselves, shared, not copied). NeMo's layout
 serves with them.
 
 One proposal from a verified prefix ``x_0 .. x_{L-1}`` (the last token, the previous round's bonus token,
-has no target features yet), in the training frame of dspark.md §4-7 and §13:
+has no target features yet), in the training frame of docs/concepts/dspark.md#draft-network and
+docs/concepts/dspark.md#serving-layout:
 
 * the block is ``[x_{L-1}, MASK, ..., MASK]`` (``block_size`` = K slots) at RoPE positions ``L-1 ..
   L-2+K``; the anchor slot is the last verified token;
@@ -25,7 +26,8 @@ has no target features yet), in the training frame of dspark.md §4-7 and §13:
   the gold ones training teacher-forces, which is why tau_sim estimates this walk.
 
 SpecForge HEAD's generator feeds the Markov sampler the last K - 1 slots with DFlash's same-position
-convention (dspark.md §15.15), disagreeing with how DSpark trains; this follows training and §13.
+convention (docs/concepts/dspark.md#serving-layout), disagreeing with how DSpark trains; this follows
+training.
 
 The confidence head is not used to cut proposals: verification here is greedy and lossless, and how
 many drafted tokens to verify is a serving-scheduler policy outside the spec. Its per-slot logits are

@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft skeleton shared by the dense and the MLA draft (eagle3.md §4.2-4.3, §7).
+"""The EAGLE-3 draft skeleton shared by the dense and the MLA draft (docs/concepts/eagle3.md#dense-draft,
+docs/concepts/eagle3.md#mla-draft).
 
 ``fc`` fuses the three captured target layers; one decoder layer (``midlayer``) reads the concatenation
 of the normalised token embedding and the normalised carried hidden state (width ``2H``) and adds its

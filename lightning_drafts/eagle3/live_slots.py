@@ -1,10 +1,10 @@
 """TTT steps computed at the *live* slots only: those with a supervised prediction left.
 
-Why it is exact (eagle3.md §5.2): a slot's output at step ``k`` (its attention query, ``o_proj``, MLP and
-the carried hidden state) feeds only that slot: its own logits at step ``k`` and its own later steps,
-through the carried state and its diagonal keys. The only thing other slots read are the step-0 keys
-and values (Block 1). So a slot whose steps ``k..K-1`` supervise nothing (a prompt slot more than ``K``
-tokens before an answer, a document's tail, padding) changes no loss term, no gradient and no statistic
+Why it is exact (docs/concepts/eagle3.md#attention-across-steps): a slot's output at step ``k`` (its attention
+query, ``o_proj``, MLP and the carried hidden state) feeds only that slot: its own logits at step ``k`` and
+its own later steps, through the carried state and its diagonal keys. The only thing other slots read are the
+step-0 keys and values (Block 1). So a slot whose steps ``k..K-1`` supervise nothing (a prompt slot more than
+``K`` tokens before an answer, a document's tail, padding) changes no loss term, no gradient and no statistic
 from step ``k`` on, and need not run. Step 0 still computes keys and values at every slot; its queries,
 like every later step, run at the live slots.
 

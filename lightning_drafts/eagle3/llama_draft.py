@@ -1,4 +1,5 @@
-"""The dense Llama-style EAGLE-3 draft (eagle3.md §4), configured from the target's text config.
+"""The dense Llama-style EAGLE-3 draft (docs/concepts/eagle3.md#dense-draft), configured from the target's
+text config.
 
 Used for Llama, Qwen3, Phi-3 and other dense targets: grouped-query attention with the target's head
 layout and RoPE, q/k/v projections of width ``2H`` (embedding ‖ hidden), SwiGLU MLP.

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 MLA EAGLE-3 draft (eagle3.md §7), configured from the target's text config.
+"""The DeepSeek-V3 MLA EAGLE-3 draft (docs/concepts/eagle3.md#mla-draft), configured from the target's text
+config.
 
 Multi-head latent attention: optional low-rank q (``q_a_proj`` → RMSNorm → ``q_b_proj``), a shared
 low-rank kv latent plus one rope key shared by every head (``kv_a_proj_with_mqa``), per-head nope keys and
@@ -95,7 +96,8 @@ class MLADraftAttention(TTTAttention):
         self.rope = deepseek_rope_table(
             self.rope_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
-        # No YaRN mscale on the softmax scale: the reference draft learns around it (eagle3.md §7.2).
+        # No YaRN mscale on the softmax scale: the reference draft learns around it
+        # (docs/concepts/eagle3.md#mla-attention-and-rope).
         self.scale = qk_dim**-0.5
 
     def project_query(self, fused: Tensor, positions: Tensor) -> Tensor:

@@ -63,7 +63,8 @@ DRAFT_BACKENDS = ("auto", "sdpa", "eager", "flex")
 
 
 class Eagle3Base(DraftModule):
-    """The EAGLE-3 objective shared by the dense and the MLA draft (eagle3.md §2-§6).
+    """The EAGLE-3 objective shared by the dense and the MLA draft
+    (docs/concepts/eagle3.md#training-time-test).
 
     Args:
         target: hub id / local path, config dict (random tiny target) or ``PreTrainedModel``.
@@ -85,10 +86,10 @@ class Eagle3Base(DraftModule):
         lk_kl_decay: ``"lambda"``'s decay, >= 0 (3.0).
         draft_biases: whether the dense draft's attention / MLP projections have biases. ``None``
             (default) follows the target's ``attention_bias`` / ``mlp_bias``, as the reference trainers
-            do (eagle3.md §4), so losses and gradients match theirs; only vLLM serves such biases, SGLang's
-            and SpecForge's ``LlamaForCausalLMEagle3`` have none (the export warns). ``False``: a
-            bias-free draft that vLLM, SGLang and SpecForge all serve as trained. The MLA draft has no
-            biases (``True`` is refused there).
+            do (docs/concepts/eagle3.md#dense-draft), so losses and gradients match theirs; only vLLM serves
+            such biases, SGLang's and SpecForge's ``LlamaForCausalLMEagle3`` have none (the export warns).
+            ``False``: a bias-free draft that vLLM, SGLang and SpecForge all serve as trained. The MLA draft
+            has no biases (``True`` is refused there).
         ttt_live_slots_only: run each TTT step only at the slots with a supervised prediction left at that
             step or later (step 0 still computes keys and values everywhere;
             :mod:`lightning_drafts.eagle3.live_slots`): the same loss, gradients and statistics. ``False``
@@ -388,7 +389,8 @@ class Eagle3Module(Eagle3Base):
 
 
 class MLAEagle3Module(Eagle3Base):
-    """EAGLE-3 with the DeepSeek-V3 MLA draft (eagle3.md §7), configured from a DeepSeek-V3 target.
+    """EAGLE-3 with the DeepSeek-V3 MLA draft (docs/concepts/eagle3.md#mla-draft), configured from a
+    DeepSeek-V3 target.
 
     Exports vLLM's ``Eagle3DeepseekV2ForCausalLM`` layout, which also reloads into this class. See
     :class:`Eagle3Base` for arguments.

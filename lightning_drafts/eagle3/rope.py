@@ -1,8 +1,8 @@
 """Rotary position embeddings of the EAGLE-3 drafts, with frequencies pinned to fp32.
 
-A bf16 copy of the inverse frequencies dephases RoPE as positions grow (eagle3.md §9.2 item 8), so
-:class:`FrequencyTable` keeps an fp32 master copy and restores it after every cast or move. Angles and
-rotations are computed in fp32 and cast back to the input dtype.
+A bf16 copy of the inverse frequencies dephases RoPE as positions grow
+(docs/concepts/eagle3.md#rope-precision), so :class:`FrequencyTable` keeps an fp32 master copy and restores it
+after every cast or move. Angles and rotations are computed in fp32 and cast back to the input dtype.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def llama_rope_table(text_config: Any) -> FrequencyTable:
 def deepseek_rope_table(
     rope_dim: int, theta: float, max_position_embeddings: int, rope_scaling: dict | None
 ) -> FrequencyTable:
-    """DeepSeek's ``precompute_freqs_cis`` inverse frequencies (eagle3.md §7.2).
+    """DeepSeek's ``precompute_freqs_cis`` inverse frequencies
+    (docs/concepts/eagle3.md#mla-attention-and-rope).
 
     The YaRN ramp correction applies only when ``rope_scaling`` has ``factor``, ``beta_fast``,
     ``beta_slow`` and ``original_max_position_embeddings`` and the context is longer than the original
@@ -119,10 +120,11 @@ def vllm_deepseek_rope_scaling(rope_scaling: dict | None, max_position_embedding
 
     vLLM applies the YaRN ramp whenever ``rope_scaling`` is set (whatever the context length), multiplies
     cos / sin by ``mscale(mscale) / mscale(mscale_all_dim)`` and the softmax scale by
-    ``mscale(mscale_all_dim)²``. The draft applies neither magnitude (it learns around them, eagle3.md
-    §7.2), so a target's ``mscale: 1`` copied verbatim would sharpen every served attention row (about 1.9x
-    for DeepSeek-V3's factor 40). Hence ``null`` where the draft uses plain RoPE, else the ramp's settings
-    with ``mscale`` and ``mscale_all_dim`` 0, for which both of vLLM's magnitudes are exactly 1.
+    ``mscale(mscale_all_dim)²``. The draft applies neither magnitude (it learns around them,
+    docs/concepts/eagle3.md#mla-attention-and-rope), so a target's ``mscale: 1`` copied verbatim would sharpen
+    every served attention row (about 1.9x for DeepSeek-V3's factor 40). Hence ``null`` where the draft uses
+    plain RoPE, else the ramp's settings with ``mscale`` and ``mscale_all_dim`` 0, for which both of vLLM's
+    magnitudes are exactly 1.
     """
     ramp = yarn_ramp(rope_scaling, max_position_embeddings)
     if ramp is None:

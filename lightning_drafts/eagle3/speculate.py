@@ -7,7 +7,8 @@ validator has checked it against SGLang's field and the training record), and dr
 the exported ``d2t`` offsets, ``target = draft + d2t[draft]``.
 
 One proposal of ``num_steps`` tokens from a verified prefix ``x_0 .. x_{L-1}`` (the last token has no
-target features yet), in the training frame of eagle3.md §2.5 / §5.2:
+target features yet), in the training frame of docs/concepts/eagle3.md#frames and
+docs/concepts/eagle3.md#attention-across-steps:
 
 * depth 1 (TTT step 0): every context slot ``i = 0 .. L-2`` reads ``fc(target features of x_<=i)`` and
   the token ``x_{i+1}`` at RoPE position ``i``, attending causally to the context; the last slot predicts

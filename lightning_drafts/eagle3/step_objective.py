@@ -1,4 +1,4 @@
-"""The loss of one EAGLE-3 TTT step, chosen by ``lk_loss_type`` (eagle3.md §5.4).
+"""The loss of one EAGLE-3 TTT step, chosen by ``lk_loss_type`` (docs/concepts/eagle3.md#loss).
 
 Over the ``n`` slots supervised at the step (rows of the micro-batch, whatever row they sit in), with
 the teacher ``P = softmax(teacher logits)`` over the draft vocabulary and the draft ``q = softmax(logits)``,

@@ -2,14 +2,14 @@
 
 Shared by the dense and the MLA draft; only the q/k/v projections differ between them.
 
-Frames (eagle3.md §0, §2.4): the batch arrives in the *dataset* frame. The *trainer* frame shifts the
-token ids, the loss mask and the teacher left by one (zero-filled tail); TTT step ``k`` shifts them ``k``
+Frames (docs/concepts/eagle3.md#frames): the batch arrives in the *dataset* frame. The *trainer* frame shifts
+the token ids, the loss mask and the teacher left by one (zero-filled tail); TTT step ``k`` shifts them ``k``
 more. So at step ``k`` trainer slot ``i`` reads token ``x[i+1+k]`` and is taught ``z[i+1+k]`` (the target's
 distribution of ``x[i+2+k]``). The draft's hidden state, the positions (RoPE at ``position_ids + k``)
 and ``doc_remaining`` are never shifted.
 
-Packing (eagle3.md §6): a slot learns at step ``k`` only while ``k < doc_remaining[i]``, i.e. while
-``x[i+1+k]`` is still in the slot's own document. Tokens past that point are replaced by id 0 (what
+Packing (docs/concepts/eagle3.md#packing): a slot learns at step ``k`` only while ``k < doc_remaining[i]``,
+i.e. while ``x[i+1+k]`` is still in the slot's own document. Tokens past that point are replaced by id 0 (what
 the reference feeds its zero-filled tail), so no document ever reads another document's token; the
 diagonal TTT keys link a slot only to itself, and Block 1 uses the block-causal mask.
 """
@@ -88,7 +88,8 @@ class TTTDraft(Protocol):
 def ttt_attention(
     query: Tensor, key: Tensor, value: Tensor, cache: TTTCache, mask: Any, scale: float
 ) -> Tensor:
-    """EAGLE-3 attention at TTT step ``k = len(cache.keys)`` (eagle3.md §5.2), ``[B, heads, T, d_v]``.
+    """EAGLE-3 attention at TTT step ``k = len(cache.keys)`` (docs/concepts/eagle3.md#attention-across-steps),
+    ``[B, heads, T, d_v]``.
 
     Block 1: the step-0 keys of the whole row under ``mask`` (block-causal; a dense bool tensor on CPU,
     a flex ``BlockMask`` on GPU). Diagonals: for steps ``1..k``, the same slot's key only, never masked;
@@ -136,7 +137,8 @@ def step_masks(
     doc_remaining: Tensor | None,
     step: int,
 ) -> tuple[Tensor, Tensor]:
-    """``(chain_valid C_k, supervised S_k)``, bool ``[B, T]``, at TTT ``step`` (eagle3.md §2.5, §6.1).
+    """``(chain_valid C_k, supervised S_k)``, bool ``[B, T]``, at TTT ``step``
+    (docs/concepts/eagle3.md#frames, docs/concepts/eagle3.md#packing).
 
     Both masks take the *trainer-frame* loss mask and in-vocabulary bits (already shifted by one).
     ``C_k = m[i+1+k] ∧ (k < doc_remaining[i])``; ``S_k = C_k ∧ t2d[argmax z[i+1+k]]``. ``doc_remaining``
@@ -216,7 +218,8 @@ def ttt_unroll(
 
 
 def step_weights(ttt_length: int, gamma: float) -> list[float]:
-    """``gamma^k / Σ_j gamma^j``: the loss scale does not depend on ``ttt_length`` (eagle3.md §5.4)."""
+    """``gamma^k / Σ_j gamma^j``: the loss scale does not depend on ``ttt_length``
+    (docs/concepts/eagle3.md#loss)."""
     raw = [gamma**k for k in range(ttt_length)]
     return [w / sum(raw) for w in raw]
 
@@ -238,9 +241,9 @@ def eagle3_objective(
     vocabulary of any size never costs ``[B, T, V_d]`` per step; ``states`` need to hold only the slots
     ``supervision.supervised`` marks at their step.
 
-    Chains (eagle3.md §5.5): one per trainer slot valid at some step, row-major over ``(b, i)``;
-    ``valid[:, k] = C_k`` (no ``t2d`` term), ``correct[:, k] = (draft argmax == teacher argmax) ∧ S_k``;
-    ``valid_tokens = Σ_k Σ S_k``.
+    Chains (docs/concepts/eagle3.md#simulated-acceptance-length): one per trainer slot valid at some step,
+    row-major over ``(b, i)``; ``valid[:, k] = C_k`` (no ``t2d`` term), ``correct[:, k] = (draft argmax ==
+    teacher argmax) ∧ S_k``; ``valid_tokens = Σ_k Σ S_k``.
     """
     objective = StepObjective() if objective is None else objective
     steps, width = len(states), packed.shape[1]

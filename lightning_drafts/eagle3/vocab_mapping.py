@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft vocabulary: which target ids the draft's LM head predicts (eagle3.md §3).
+"""The EAGLE-3 draft vocabulary: which target ids the draft's LM head predicts
+(docs/concepts/eagle3.md#draft-vocabulary).
 
 Selection order (NeMo's): the special ids, then ids by descending supervised-token count (ties go to
 the lower id), then the lowest unused ids when the data has fewer distinct tokens than the draft

@@ -603,7 +603,8 @@ def float32_kept_tensors(model: nn.Module, in_float16: bool = False) -> dict[str
 
 
 def default_capture_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default captured layers ``[1, N // 2 - 1, N - 4]`` (eagle3.md §2.1)."""
+    """EAGLE-3's default captured layers ``[1, N // 2 - 1, N - 4]``
+    (docs/concepts/eagle3.md#captured-layers)."""
     ids = [1, num_layers // 2 - 1, num_layers - 4]
     if len(set(ids)) != 3 or min(ids) < 0 or max(ids) >= num_layers or ids != sorted(ids):
         raise ValueError(

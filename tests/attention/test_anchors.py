@@ -1,4 +1,5 @@
-"""Anchors: every bound of dflash.md §3, the per-document budget, packing invariance, the DSpark option."""
+"""Anchors: every bound of docs/concepts/dflash.md#anchors, the per-document budget, packing invariance, the
+DSpark option."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ def example():
 
 
 def reference_mask(packed, anchors, block_size, window=None):
-    """The rule of dflash.md §2 written out with loops over row positions and documents."""
+    """The rule of docs/concepts/dflash.md#block-attention written out with loops over row positions and
+    documents."""
     batch, width = packed.shape
     context = [(b, t) for b in range(batch) for t in range(width) if packed.attention_mask[b, t]]
     blocks = [(b, int(a)) for b in range(batch) for a in anchors[b] if a >= 0]

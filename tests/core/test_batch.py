@@ -10,7 +10,8 @@ from tests.builders import packed_row, random_docs, stack_rows
 
 
 def nemo_example() -> dict[str, torch.Tensor]:
-    """eagle3.md §1.3: T = 8, documents A(3), B(2) | C(7), trailing padding folded into the last document."""
+    """docs/concepts/eagle3.md#packing: T = 8, documents A(3), B(2) | C(7), trailing padding folded into the
+    last document."""
     a, b, c = random_docs([3, 2, 7])
     return stack_rows([packed_row([a, b], 8), packed_row([c], 8)])
 

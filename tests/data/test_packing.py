@@ -100,7 +100,7 @@ def test_deal_micro_batches_hand_cases():
 
 
 def test_collate_matches_worked_example():
-    # ARCHITECTURE / eagle3.md section 1.3: T = 8, documents A(3), B(2), C(7); rows [A B] and [C].
+    # docs/concepts/eagle3.md#packing: T = 8, documents A(3), B(2), C(7); rows [A B] and [C].
     ids = np.array([11, 12, 13, 21, 22, 31, 32, 33, 34, 35, 36, 37], dtype=np.int32)
     mask = np.array([0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1], dtype=np.int8)
     documents = Documents(ids, mask, np.array([0, 3, 5]), np.array([3, 2, 7]))

@@ -3,7 +3,6 @@ the installed command prints it (``docs/hooks.py``, which ``mkdocs build`` runs)
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,16 +10,6 @@ import pytest
 from lightning_drafts.cli.main import ARGPARSE_COMMANDS, SUBCOMMANDS, argparse_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def hooks():
-    """docs/hooks.py, loaded once: its help texts are cached for the module's tests."""
-    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    module.cli_help.cache_clear()
 
 
 def test_the_cli_page_renders_every_subcommand(hooks):

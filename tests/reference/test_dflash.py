@@ -6,7 +6,7 @@ with the same prefix lengths, DFlash2's selector term).
 
 DFlash's ``correct`` / ``valid`` chains feed the project's ``accept_len`` (tau_sim: a chain stops at its
 first unsupervised position); NeMo's block figure skips such holes and is the project's
-``accept_len_skip_holes``, which is what is compared (dflash.md §4.5)."""
+``accept_len_skip_holes``, which is what is compared (docs/concepts/dflash.md#block-acceptance)."""
 
 from __future__ import annotations
 

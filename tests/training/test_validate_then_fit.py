@@ -15,8 +15,9 @@ from tests.families.dflash.cases import perfect_module
 
 
 def skip_holes_by_definition(outputs) -> float:
-    """NeMo's block acceptance (dflash.md §4.5): per chain with a valid slot, 1 + the valid slots reached
-    with every valid slot before them correct (unsupervised slots skipped), averaged over such chains."""
+    """NeMo's block acceptance (docs/concepts/dflash.md#block-acceptance): per chain with a valid slot, 1 +
+    the valid slots reached with every valid slot before them correct (unsupervised slots skipped), averaged
+    over such chains."""
     lengths = []
     for output in outputs:
         for correct, valid in zip(output.correct.tolist(), output.valid.tolist(), strict=True):

@@ -1,4 +1,4 @@
-"""DFlash / DFlash2 ``loss_type`` objectives (dflash.md §4.6) and NeMo's block acceptance.
+"""DFlash / DFlash2 ``loss_type`` objectives (docs/concepts/dflash.md#objective) and NeMo's block acceptance.
 
 Every objective is checked against a reference written here from the spec's formulas (float64, loops,
 unchunked) on random logits over a batch with loss-mask holes, a document shorter than a block, blocks

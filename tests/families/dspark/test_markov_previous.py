@@ -1,9 +1,9 @@
 """What DSpark's training objective feeds its Markov and confidence heads: the previous token of slot k is
 the gold token at ``anchor + k`` (teacher forcing), never the slot's own label at ``anchor + k + 1``.
 
-The loss is rebuilt here by the formula of dspark.md §8 from the draft backbone's slot states (read off
-the draft's output), the heads' weights and the target's own next-token logits; the previous tokens and
-labels are indexed out of the row by hand. A head fed the label would see the answer: it trains a draft
+The loss is rebuilt here by the formula of docs/concepts/dspark.md#loss from the draft backbone's slot states
+(read off the draft's output), the heads' weights and the target's own next-token logits; the previous tokens
+and labels are indexed out of the row by hand. A head fed the label would see the answer: it trains a draft
 that cheats in training and collapses when served, while packed == padded stays true.
 """
 
@@ -49,9 +49,9 @@ def module_and_batch(head_type: str) -> tuple[DSparkModule, dict]:
 
 
 def formula_loss(module: DSparkModule, slot_states: torch.Tensor, ids: torch.Tensor, previous_of) -> float:
-    """dspark.md §8 written out: per slot k of the block at anchor a, label ``ids[a + k + 1]``, previous
-    token ``previous_of(a, k)``; weights ``exp(-k / gamma)``; ``sum w (a_ce ce + a_tv l1 + a_conf bce) /
-    (sum w + 1e-6)``."""
+    """docs/concepts/dspark.md#loss written out: per slot k of the block at anchor a, label ``ids[a + k +
+    1]``, previous token ``previous_of(a, k)``; weights ``exp(-k / gamma)``; ``sum w (a_ce ce + a_tv l1 +
+    a_conf bce) / (sum w + 1e-6)``."""
     draft, head = module.draft, module.draft.markov_head
     with torch.no_grad():
         target_logits = module.target.model(input_ids=ids[None]).logits[0].float()

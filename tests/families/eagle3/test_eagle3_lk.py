@@ -1,5 +1,5 @@
-"""EAGLE-3 / MLA-EAGLE-3 ``lk_loss_type`` (eagle3.md §5.4): each objective against a reference written
-from the spec's formulas, packed == padded, the unit of lambda's mean acceptance, and the guards."""
+"""EAGLE-3 / MLA-EAGLE-3 ``lk_loss_type`` (docs/concepts/eagle3.md#loss): each objective against a reference
+written from the spec's formulas, packed == padded, the unit of lambda's mean acceptance, and the guards."""
 
 from __future__ import annotations
 
