@@ -86,6 +86,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 def set_up(rows: list[dict], tmp_path: Path, name: str, **kwargs) -> PackedChatDataModule:
     """The data module of ``rows`` rendered by template ``name``, set up as ``fit`` sets it up."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     module = PackedChatDataModule(
         data_files=write_jsonl(tmp_path / "rows.jsonl", rows),
         tokenizer=family_tokenizer(name),
