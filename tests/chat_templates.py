@@ -56,6 +56,12 @@ FAMILIES = {
     "deepseek-r1": ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", DEEPSEEK_MARKERS),
     "deepseek-v3.1": ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", DEEPSEEK_MARKERS),
     "smollm2": ("<|im_end|>", None, ["<|im_start|>"]),
+    "gpt-oss": ("<|return|>", None, ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|call|>"]),
+    "mistral-nemo": (
+        "</s>",
+        "<s>",
+        ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"],
+    ),
 }
 
 WEATHER_TOOL = {

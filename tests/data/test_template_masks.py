@@ -146,3 +146,53 @@ def test_smollm2_default_system_prompt_is_prompt_and_the_turn_ends_at_im_end(tmp
     )
     # The newline the template writes after <|im_end|> comes after the target stops: not supervised.
     assert all_runs(module) == [["Hello.<|im_end|>"]]
+
+
+TWO_QUERIES = {
+    "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Bye.", "reasoning_content": "Farewell."},
+    ]
+}
+
+
+def test_gpt_oss_analysis_channel_supervised_and_dropped_from_later_documents(tmp_path):
+    module = set_up([TWO_QUERIES], tmp_path, "gpt-oss")
+    # Harmony: the reasoning is the analysis message, the answer the final one; an earlier turn keeps
+    # only its final message, so each turn is its own document.
+    assert all_runs(module) == [
+        [
+            "<|channel|>analysis<|message|>Greet.<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|return|>"
+        ],
+        [
+            "<|channel|>analysis<|message|>Farewell.<|end|><|start|>assistant<|channel|>final<|message|>Bye.<|return|>"
+        ],
+    ]
+    later = document_text(module, 1)
+    assert "Greet." not in later and "<|start|>assistant<|channel|>final<|message|>Hello.<|end|>" in later
+
+
+@pytest.mark.parametrize(("name", "system"), [("gpt-oss", False), ("mistral-nemo", True)])
+def test_a_template_that_rewrites_the_prompt_of_a_turn_is_refused_not_mis_masked(name, system, tmp_path):
+    # gpt-oss shows a tool call's analysis until a final answer follows; Mistral Nemo shows the system
+    # prompt only while the user turn is the last message. Training text would then differ from the
+    # prompt served, which prefix rendering cannot recover: such rows are counted as malformed.
+    messages = [{"role": "system", "content": "Be brief."}] if system else []
+    messages += [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Call it.",
+            "tool_calls": [
+                {"id": "abc123def", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "abc123def", "content": "18 C"},
+        {"role": "assistant", "content": "It is 18 C."},
+    ]
+    module = set_up([{"tools": [WEATHER_TOOL], "messages": messages}, TWO_QUERIES], tmp_path, name)
+    (reason,) = module.stats["train"]["malformed_reasons"]
+    assert reason.startswith("chat template renders turns inconsistently")
