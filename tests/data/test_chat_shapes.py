@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import datasets
 import pytest
 
 from lightning_drafts.core.batch import validate_batch
@@ -220,3 +221,23 @@ def test_the_summary_line_counts_tool_calls_results_and_reasoning(tmp_path, capl
         f"1 tool calls (supervised), 1 tool results (not supervised), {reasoning} reasoning tokens (0 supervised, {reasoning} not)"
         in line
     )
+
+
+def test_parquet_rows_of_mixed_shapes_train_as_their_jsonl_copies(tmp_path):
+    # Arrow gives every message every key of every other message (None where absent) and every row a
+    # tools column: the absent keys must stay absent for the template.
+    rows = [SHAPES[name][0] for name in ("tool call and result", "system", "reasoning_content")]
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    parquet = PackedChatDataModule(
+        data_files=str(path),
+        tokenizer=family_tokenizer("qwen3"),
+        chat_template=template("qwen3"),
+        cache_dir=str(tmp_path / "c"),
+    )
+    parquet.setup("fit")
+    jsonl = set_up(rows, tmp_path / "jsonl", "qwen3")
+    assert parquet.stats["train"]["malformed"] == 0
+    assert [parquet.train_documents.tokens(i)[0].tolist() for i in range(len(parquet.train_documents))] == [
+        jsonl.train_documents.tokens(i)[0].tolist() for i in range(len(jsonl.train_documents))
+    ]
