@@ -82,8 +82,13 @@ def render_conversation(
     renderer = _Renderer(template, tokenizer, conversation.tools, template_kwargs or {})
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     try:
-        full = renderer(messages)
-        through = {i: renderer(messages[: i + 1]) for i in turns}
+        # Each rendering through a turn, with the spans a tagged template marks; the last is the whole.
+        rendered = {len(messages) - 1: renderer.render(messages)}
+        for i in turns:
+            if i not in rendered:
+                rendered[i] = renderer.render(messages[: i + 1])
+        full = rendered[len(messages) - 1][0]
+        through = {i: rendered[i][0] for i in turns}
         if all(full.startswith(through[i]) for i in turns):
             groups = [(full, turns)]
         else:
@@ -92,7 +97,7 @@ def render_conversation(
         for text, group in groups:
             spans, reasoning = [], []
             for i in group:
-                start, end = renderer.turn_span(messages, i, through[i])
+                start, end = renderer.turn_span(messages, i, through[i], rendered[i][1])
                 found = _reasoning_span(text, start, end, _reasoning_of(messages[i]))
                 if found is None:
                     dropped += bool(_reasoning_of(messages[i]).strip())
@@ -150,11 +155,11 @@ class _Renderer:
         )
         return rendered[0], [tuple(span) for span in indices[0]] if self.tagged else []
 
-    def turn_span(self, messages: list[dict[str, Any]], i: int, through: str) -> Span:
-        """Where assistant turn ``i`` lies in ``through`` (the rendering of ``messages[: i + 1]``)."""
+    def turn_span(self, messages: list[dict[str, Any]], i: int, through: str, tagged: list[Span]) -> Span:
+        """Where assistant turn ``i`` lies in ``through`` (the rendering of ``messages[: i + 1]``, whose
+        generation-tagged spans are ``tagged``)."""
         if self.tagged:
-            _, spans = self.render(messages[: i + 1])
-            return spans[-1] if spans else (len(through), len(through))
+            return tagged[-1] if tagged else (len(through), len(through))
         if not through.startswith(self(messages[:i])):
             raise MalformedRow(
                 "chat template renders turns inconsistently (adding a turn rewrites the text before it); add "

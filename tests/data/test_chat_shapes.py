@@ -11,6 +11,7 @@ import pytest
 
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.chat_format import read_conversation
 from lightning_drafts.datamodules.datamodule import logger as data_logger
 from tests.chat_templates import (
     WEATHER_TOOL,
@@ -240,4 +241,41 @@ def test_parquet_rows_of_mixed_shapes_train_as_their_jsonl_copies(tmp_path):
     assert parquet.stats["train"]["malformed"] == 0
     assert [parquet.train_documents.tokens(i)[0].tolist() for i in range(len(parquet.train_documents))] == [
         jsonl.train_documents.tokens(i)[0].tolist() for i in range(len(jsonl.train_documents))
+    ]
+
+
+@pytest.mark.parametrize("name", ["reasoning_content", "reasoning", "thinking"])
+def test_reasoning_under_any_of_its_names_and_absent_keys_stay_absent(name):
+    row = {
+        "messages": [
+            QUESTION,
+            {"role": "assistant", "content": None, name: "Look.", "tool_calls": [CALL]},
+            RESULT,
+        ]
+    }
+    assert read_conversation(row).messages == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "id": "call1",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+            "reasoning_content": "Look.",
+        },
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call1"},
+    ]
+
+
+def test_a_sharegpt_function_call_may_hold_several_calls():
+    calls = '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": "{\\"y\\": 2}"}]'
+    row = {"conversations": [{"from": "human", "value": "Go"}, {"from": "function_call", "value": calls}]}
+    (_, turn) = read_conversation(row, require_answers=False).messages
+    assert turn["tool_calls"] == [
+        {"type": "function", "function": {"name": "a", "arguments": {"x": 1}}},
+        {"type": "function", "function": {"name": "b", "arguments": {"y": 2}}},
     ]
