@@ -7,8 +7,8 @@ decoded and parsed on its own: a bad one (invalid JSON, not UTF-8, a key written
 is counted as malformed with its file and line (or refused at once in strict mode), a UTF-8 byte-order
 mark is read as one, and an empty file is an error that says so.
 
-Each kept row is stored normalised (:func:`normalize_conversation`: OpenAI messages with string
-contents), so every row has one shape whatever form its file used; a row that does not normalise keeps
+Each kept row is stored normalised (:func:`read_conversation`: OpenAI messages with string contents,
+as JSON), so every row has one shape whatever form its file used; a row that does not normalise keeps
 its place with the reason, which the tokenisation step counts and names by the row's line.
 """
 
@@ -25,14 +25,15 @@ import datasets
 from datasets.fingerprint import Hasher
 
 from lightning_drafts.datamodules.chat_format import (
+    CONVERSATION_KEY,
     MALFORMED_FIELD_KEY,
     MALFORMED_KEY,
     MalformedRow,
-    normalize_conversation,
+    read_conversation,
 )
 
 # Bump when the parsing below changes what rows a file yields.
-READER_VERSION = 2
+READER_VERSION = 3
 
 BOM = b"\xef\xbb\xbf"
 
@@ -56,9 +57,12 @@ class ChatRows:
         self.first_seen.setdefault(reason, f"{where}: {problem}")
 
 
-def read_chat_files(paths: list[Path], strict: bool = False) -> tuple[datasets.Dataset, str, ChatRows]:
+def read_chat_files(
+    paths: list[Path], strict: bool = False, drop_media: bool = False
+) -> tuple[datasets.Dataset, str, ChatRows]:
     """The rows of ``paths`` (``.json`` arrays or ``.jsonl``, optionally gzipped) as a dataset, a
-    fingerprint of the files for the tokenisation cache, and what was rejected."""
+    fingerprint of the files for the tokenisation cache, and what was rejected (``drop_media``: see
+    :func:`read_conversation`)."""
     read = ChatRows()
     for path in paths:
         before = len(read.rows) + sum(read.malformed.values())
@@ -66,9 +70,9 @@ def read_chat_files(paths: list[Path], strict: bool = False) -> tuple[datasets.D
         with opener(path, "rb") as handle:
             data = handle.read().removeprefix(BOM)
         if path.name.removesuffix(".gz").endswith(".jsonl"):
-            _read_lines(path, data, read, strict)
+            _read_lines(path, data, read, strict, drop_media)
         else:
-            _read_array(path, data, read, strict)
+            _read_array(path, data, read, strict, drop_media)
         if len(read.rows) + sum(read.malformed.values()) == before:
             raise ValueError(f"data file {path} holds no rows; it is empty (or only blank lines)")
     if not read.rows:
@@ -77,7 +81,7 @@ def read_chat_files(paths: list[Path], strict: bool = False) -> tuple[datasets.D
             f"{next(iter(read.first_seen.values()), '-')}"
         )
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
-    fingerprint = Hasher.hash(["chat-files", READER_VERSION, stats])
+    fingerprint = Hasher.hash(["chat-files", READER_VERSION, stats, drop_media])
     return datasets.Dataset.from_list(read.rows), fingerprint, read
 
 
@@ -127,7 +131,7 @@ def _refuse_keys_twice(key: str, where: str, read: ChatRows, strict: bool) -> No
     )
 
 
-def _read_lines(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
+def _read_lines(path: Path, data: bytes, read: ChatRows, strict: bool, drop_media: bool) -> None:
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -151,10 +155,10 @@ def _read_lines(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
         if twice.keys:
             _refuse_keys_twice(twice.keys[0], where, read, strict)
             continue
-        _keep(row, where, read, strict)
+        _keep(row, where, read, strict, drop_media)
 
 
-def _read_array(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
+def _read_array(path: Path, data: bytes, read: ChatRows, strict: bool, drop_media: bool) -> None:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -179,10 +183,10 @@ def _read_array(path: Path, data: bytes, read: ChatRows, strict: bool) -> None:
         if key is not None:
             _refuse_keys_twice(key, f"{path}[{index}]", read, strict)
             continue
-        _keep(row, f"{path}[{index}]", read, strict)
+        _keep(row, f"{path}[{index}]", read, strict, drop_media)
 
 
-def _keep(row: Any, where: str, read: ChatRows, strict: bool) -> None:
+def _keep(row: Any, where: str, read: ChatRows, strict: bool, drop_media: bool) -> None:
     if not isinstance(row, dict):
         read.reject(
             "not a JSON object", where, f"a row must be a JSON object, got {type(row).__name__}", strict
@@ -198,9 +202,9 @@ def _keep(row: Any, where: str, read: ChatRows, strict: bool) -> None:
         return
     try:
         # Answers may be empty here: regenerate writes them; training refuses them at tokenisation.
-        kept = {"messages": normalize_conversation(row, require_answers=False), MALFORMED_KEY: ""}
-        kept[MALFORMED_FIELD_KEY] = ""
+        conversation = read_conversation(row, require_answers=False, drop_media=drop_media)
+        kept = {CONVERSATION_KEY: conversation.to_json(), MALFORMED_KEY: "", MALFORMED_FIELD_KEY: ""}
     except MalformedRow as malformed:
-        kept = {"messages": None, MALFORMED_KEY: malformed.reason, MALFORMED_FIELD_KEY: malformed.field}
+        kept = {CONVERSATION_KEY: "", MALFORMED_KEY: malformed.reason, MALFORMED_FIELD_KEY: malformed.field}
     read.rows.append(kept)
     read.where.append(where)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
-from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
+from lightning_drafts.datamodules.chat_format import MalformedRow, read_conversation
 from lightning_drafts.datamodules.content_split import split_by_content
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
@@ -36,6 +36,8 @@ from lightning_drafts.datamodules.row_locations import RowLocations
 from lightning_drafts.datamodules.templates import resolve_chat_template
 from lightning_drafts.datamodules.tokenize import (
     NAMED_PER_REASON,
+    SHAPE_COUNTS,
+    ChatOptions,
     TokenizedCorpus,
     default_cache_dir,
     tokenize_rows,
@@ -62,6 +64,12 @@ class PackedChatDataModule(LightningDataModule):
             ``shipped:tiny-llama``), a tokenizer object, or None for the embedded Mistral v1 tokenizer.
         chat_template: None for the tokenizer's own template, a built-in name (``"mistral"``,
             ``"chatml"``) or a Jinja template string.
+        chat_template_kwargs: the template's switches, as a serving request passes them (e.g.
+            ``{"enable_thinking": False}`` for Qwen3); they reach every rendering.
+        supervise_reasoning: supervise the reasoning the target writes (``reasoning_content`` or a
+            ``<think>`` block, tags included); False trains on the answers and tool calls alone.
+        drop_media: drop the image / audio parts of a message's content, counted in the summary, instead
+            of refusing their rows (a text draft cannot learn from them).
         max_tokens: row width of packed rows, and the length limit of a document.
         batch_size: rows per micro-batch (documents per micro-batch for ``"microbatch"`` and padded).
         packing: ``"buffer"`` (or True), ``"microbatch"``, or False for one padded document per row.
@@ -98,6 +106,9 @@ class PackedChatDataModule(LightningDataModule):
         data_files: str | list[str] | None = None,
         tokenizer: str | PreTrainedTokenizerBase | None = None,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        supervise_reasoning: bool = True,
+        drop_media: bool = False,
         max_tokens: int = 2048,
         batch_size: int = 1,
         packing: bool | str = "buffer",
@@ -157,6 +168,11 @@ class PackedChatDataModule(LightningDataModule):
         self.strict = bool(strict)
         self.setup_summary = bool(setup_summary)
         self.features_dir = features_dir
+        self.chat_options = ChatOptions(
+            template_kwargs=dict(chat_template_kwargs or {}),
+            supervise_reasoning=bool(supervise_reasoning),
+            drop_media=bool(drop_media),
+        )
         # The manifest of features_dir once set up (the draft checks it against itself at fit start).
         self.features_manifest: dict[str, Any] | None = None
         self._features: FeatureStore | None = None
@@ -189,19 +205,25 @@ class PackedChatDataModule(LightningDataModule):
         if self.train_documents is not None:
             return
         corpus = self._tokenized(self.data_files)
-        documents, malformed = corpus.documents, corpus.malformed
-        val_documents, val_malformed = None, Counter()
+        documents, malformed, shapes = corpus.documents, corpus.malformed, corpus.shapes
+        val_documents, val_malformed, val_shapes = None, Counter(), {}
         if self.val_data_files is not None:
             val_corpus = self._tokenized(self.val_data_files)
-            val_documents, val_malformed = val_corpus.documents, val_corpus.malformed
+            val_documents, val_malformed, val_shapes = (
+                val_corpus.documents,
+                val_corpus.malformed,
+                val_corpus.shapes,
+            )
         elif self.val_fraction > 0:
             train_index, val_index = split_by_content(documents, self.val_fraction, self.seed)
             val_documents = documents.select(val_index)
             documents = documents.select(train_index)
+            val_shapes = {name: counts[val_index] for name, counts in shapes.items()}
+            shapes = {name: counts[train_index] for name, counts in shapes.items()}
 
-        self.train_documents, self.stats["train"] = self._fit(documents, malformed)
+        self.train_documents, self.stats["train"] = self._fit(documents, malformed, shapes)
         if val_documents is not None:
-            self.val_documents, self.stats["val"] = self._fit(val_documents, val_malformed)
+            self.val_documents, self.stats["val"] = self._fit(val_documents, val_malformed, val_shapes)
         counts = self.stats["train"]
         if counts["supervised_tokens"] == 0 and counts["answers_truncated_away"] == counts["documents"] > 0:
             raise ValueError(
@@ -322,14 +344,19 @@ class PackedChatDataModule(LightningDataModule):
         if self.data_files is None:
             rows = embedded_corpus_dataset()
         else:
-            rows, _, read, _ = _load_chat_files(self.data_files, self.cache_dir, self.strict)
+            rows, _, read, _ = _load_chat_files(
+                self.data_files, self.cache_dir, self.strict, self.chat_options.drop_media
+            )
             if read is not None:
                 for reason, where in read.first_seen.items():
                     self._name_malformed(reason, where)
         count = len(rows) if self.max_documents is None else min(self.max_documents, len(rows))
         for index in range(count):
             try:
-                yield index, normalize_conversation(rows[index], require_answers=False)
+                conversation = read_conversation(
+                    rows[index], require_answers=False, drop_media=self.chat_options.drop_media
+                )
+                yield index, conversation.messages
             except MalformedRow as malformed:
                 yield index, malformed
 
@@ -339,7 +366,9 @@ class PackedChatDataModule(LightningDataModule):
             rows, fingerprint = embedded_corpus_dataset(), embedded_corpus_fingerprint()
             locations = RowLocations(name="the embedded corpus")
         else:
-            rows, fingerprint, read, locations = _load_chat_files(files, self.cache_dir, self.strict)
+            rows, fingerprint, read, locations = _load_chat_files(
+                files, self.cache_dir, self.strict, self.chat_options.drop_media
+            )
             if read is not None:
                 rejected = read.malformed
                 for reason, where in read.first_seen.items():
@@ -352,6 +381,7 @@ class PackedChatDataModule(LightningDataModule):
             self.tokenizer,
             self.chat_template,
             source_fingerprint=fingerprint,
+            options=self.chat_options,
             num_proc=self.num_proc,
             cache_dir=self.cache_dir,
         )
@@ -368,7 +398,7 @@ class PackedChatDataModule(LightningDataModule):
             )
         for reason, text in described:
             self._name_malformed(reason, text)
-        return TokenizedCorpus(corpus.documents, corpus.malformed + rejected)
+        return TokenizedCorpus(corpus.documents, corpus.malformed + rejected, shapes=corpus.shapes)
 
     def _name_malformed(self, reason: str, where: str) -> None:
         # A source is read by prepare_data and again by setup: each row is named once.
@@ -376,7 +406,9 @@ class PackedChatDataModule(LightningDataModule):
         if where not in named:
             named.append(where)
 
-    def _fit(self, documents: Documents, malformed: Counter) -> tuple[Documents, dict[str, Any]]:
+    def _fit(
+        self, documents: Documents, malformed: Counter, shapes: dict[str, np.ndarray]
+    ) -> tuple[Documents, dict[str, Any]]:
         fitted, truncated, dropped = documents.fit_to_width(self.max_tokens, self.long_documents)
         supervised = fitted.supervised_per_document()
         return fitted, {
@@ -389,6 +421,8 @@ class PackedChatDataModule(LightningDataModule):
             "dropped": dropped,
             "malformed": int(sum(malformed.values())),
             "malformed_reasons": dict(malformed),
+            # Counted on the documents before truncation.
+            **{name: int(shapes[name].sum()) if name in shapes else 0 for name in SHAPE_COUNTS},
         }
 
     def _log_summary(self) -> None:
@@ -396,7 +430,9 @@ class PackedChatDataModule(LightningDataModule):
         info = logger.info if self.setup_summary else logger.debug
         for split, counts in self.stats.items():
             info(
-                "%s split: %d documents, %d tokens, %d supervised tokens, %d truncated, %d dropped, %d malformed "
+                "%s split: %d documents, %d tokens, %d supervised tokens, %d truncated, %d dropped, %d malformed; "
+                "%d tool calls (supervised), %d tool results (not supervised), %d reasoning tokens (%d supervised, "
+                "%d not), %d turns whose reasoning the template dropped, %d media parts dropped "
                 "(max_tokens=%d, long_documents=%s, packing=%s)",
                 split,
                 counts["documents"],
@@ -405,6 +441,13 @@ class PackedChatDataModule(LightningDataModule):
                 counts["truncated"],
                 counts["dropped"],
                 counts["malformed"],
+                counts["tool_calls"],
+                counts["tool_results"],
+                counts["reasoning_tokens"],
+                counts["reasoning_supervised"],
+                counts["reasoning_tokens"] - counts["reasoning_supervised"],
+                counts["reasoning_dropped"],
+                counts["media_dropped"],
                 self.max_tokens,
                 self.long_documents,
                 self.packing,
@@ -568,7 +611,7 @@ def _field_note(field: str) -> str:
 
 
 def _load_chat_files(
-    files: str | os.PathLike | list, cache_dir: Path, strict: bool = False
+    files: str | os.PathLike | list, cache_dir: Path, strict: bool = False, drop_media: bool = False
 ) -> tuple[datasets.Dataset, str, ChatRows | None, RowLocations]:
     """The rows of ``files``, a fingerprint of the source, what the row-by-row reader rejected (``None``
     for Parquet and hub datasets, which ``datasets`` reads whole), and where each row came from."""
@@ -609,7 +652,7 @@ def _load_chat_files(
     expanded = sorted(
         {Path(m) for path in paths for m in (glob.glob(path) if glob.has_magic(path) else [path])}
     )
-    rows, fingerprint, read = read_chat_files(expanded, strict)
+    rows, fingerprint, read = read_chat_files(expanded, strict, drop_media)
     return rows, fingerprint, read, RowLocations(name=", ".join(paths), listed=tuple(read.where))
 
 

@@ -1,24 +1,22 @@
 """Chat rows to token documents with an assistant-only loss mask, once, through a cached ``datasets.map``.
 
-The assistant mask is computed on characters, then mapped to tokens by their offsets, so one tokeniser
-call per batch serves every template:
+Each row is rendered by the chat template (:mod:`chat_render`: the characters the target speaks, one
+document or one per assistant turn), then the character spans are mapped to tokens by their offsets, so
+one tokeniser call per batch serves every template. A token is supervised when any of its characters
+lies in a supervised span (the rule transformers uses for ``return_assistant_tokens_mask``); a token
+is a reasoning token when any of its characters lies in a turn's reasoning. Documents are stored
+untruncated, so changing ``max_tokens`` or the long-document policy reuses the cache.
 
-* a template with ``{% generation %}`` tags reports the character spans of assistant output directly;
-* without tags, each assistant turn ``i`` is located by prefix rendering: the span runs from the end of
-  ``render(messages[:i], add_generation_prompt=True)`` to the end of ``render(messages[:i + 1])``. A
-  template whose partial renders are not prefixes of the full render cannot be masked this way; its
-  rows are reported as malformed with a hint to add generation tags.
-
-A token is supervised when any of its characters lies in an assistant span (the rule transformers
-uses for ``return_assistant_tokens_mask``). Documents are stored untruncated, so changing
-``max_tokens`` or the long-document policy reuses the cache.
+Beside the tokens, each document carries what its row held, for the setup summary: tool calls, tool
+results, reasoning tokens (all of them and those supervised), reasoning turns the template dropped and
+non-text parts dropped (the row's counts ride on its first document).
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -27,16 +25,28 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from lightning_drafts.datamodules.chat_format import MalformedRow, normalize_conversation
+from lightning_drafts.datamodules.chat_format import Conversation, MalformedRow, read_conversation
+from lightning_drafts.datamodules.chat_render import render_conversation, template_roles
 from lightning_drafts.datamodules.documents import Documents
-from lightning_drafts.datamodules.templates import has_generation_tags
 
 # Bump when the output of tokenize_batch changes, so stale cache files are never reused.
-TOKENIZE_VERSION = 2
+TOKENIZE_VERSION = 3
+
+# Per-document counts of what the rows held (summed in the setup summary).
+SHAPE_COUNTS = (
+    "tool_calls",
+    "tool_results",
+    "reasoning_tokens",
+    "reasoning_supervised",
+    "reasoning_dropped",
+    "media_dropped",
+)
+
+# The counts of a row's messages (the others are counted on the tokens).
+ROW_COUNTS = ("tool_calls", "tool_results", "reasoning_dropped", "media_dropped")
 
 FEATURES = datasets.Features(
     {
@@ -44,71 +54,56 @@ FEATURES = datasets.Features(
         "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "malformed": datasets.Value("string"),
         "malformed_field": datasets.Value("string"),
+        # The source row a document (or a malformed row's empty document) comes from.
+        "row": datasets.Value("int64"),
+        **{name: datasets.Value("int32") for name in SHAPE_COUNTS},
     }
 )
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How rows become documents beyond the template: ``template_kwargs`` reach the template (its
+    switches, e.g. ``{"enable_thinking": False}``), ``supervise_reasoning`` supervises reasoning tokens,
+    ``drop_media`` drops non-text content parts (counted) instead of refusing their row."""
+
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    supervise_reasoning: bool = True
+    drop_media: bool = False
+
+
 def render_with_assistant_spans(
-    messages: list[dict[str, str]], template: str, tokenizer: PreTrainedTokenizerBase
+    messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the ``[start, end)`` character spans of assistant output.
+    """The rendered conversation and the ``[start, end)`` character spans the target speaks, for a
+    conversation that renders as one document.
 
     Raises :class:`MalformedRow` when the template rejects the conversation or renders no assistant text.
     """
-    special = tokenizer.special_tokens_map
-    try:
-        if has_generation_tags(template):
-            rendered, indices = render_jinja_template(
-                [messages], chat_template=template, return_assistant_tokens_mask=True, **special
-            )
-            text, spans = rendered[0], [tuple(span) for span in indices[0]]
-        else:
-            text, spans = _render_by_prefixes(messages, template, special)
-    except TemplateError as error:
-        raise MalformedRow(f"chat template rejected the row: {str(error)[:80]}") from error
-    spans = [(start, end) for start, end in spans if end > start]
-    if not spans:
-        raise MalformedRow("chat template rendered no assistant text")
-    return text, spans
+    documents = render_conversation(Conversation(messages), template, tokenizer).documents
+    if len(documents) != 1:
+        raise ValueError(f"the template renders this conversation as {len(documents)} documents, not one")
+    return documents[0].text, documents[0].spans
 
 
 def render_prompt(
-    messages: list[dict[str, str]], template: str, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any
+    messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any
 ) -> str:
     """The text a model continues to write the next assistant turn after ``messages``: the conversation
     rendered as training renders it, plus the generation prompt (``template_kwargs`` reach the template,
     e.g. ``enable_thinking``)."""
     special = tokenizer.special_tokens_map
     return render_jinja_template(
-        [messages], chat_template=template, add_generation_prompt=True, **special, **template_kwargs
+        [template_roles(messages, template)],
+        chat_template=template,
+        add_generation_prompt=True,
+        **special,
+        **template_kwargs,
     )[0][0]
 
 
-def _render_by_prefixes(
-    messages: list[dict[str, str]], template: str, special: dict[str, Any]
-) -> tuple[str, list[tuple[int, int]]]:
-    def render(part: list[dict[str, str]], prompt: bool) -> str:
-        return render_jinja_template([part], chat_template=template, add_generation_prompt=prompt, **special)[
-            0
-        ][0]
-
-    full = render(messages, False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = render(messages[:i], True)
-        through = render(messages[: i + 1], False)
-        if not (full.startswith(through) and through.startswith(before)):
-            raise MalformedRow(
-                "chat template renders turns inconsistently; add {% generation %} tags to mask assistant tokens"
-            )
-        spans.append((len(before), len(through)))
-    return full, spans
-
-
-def supervised_tokens(offsets: np.ndarray, spans: list[tuple[int, int]], text_length: int) -> np.ndarray:
-    """1 for each token (``offsets`` is ``[N, 2]`` character ranges) overlapping an assistant span."""
+def covered_tokens(offsets: np.ndarray, spans: list[tuple[int, int]], text_length: int) -> np.ndarray:
+    """1 for each token (``offsets`` is ``[N, 2]`` character ranges) overlapping one of ``spans``."""
     inside = np.zeros(text_length + 1, dtype=np.int64)
     for start, end in spans:
         inside[start] += 1
@@ -119,24 +114,56 @@ def supervised_tokens(offsets: np.ndarray, spans: list[tuple[int, int]], text_le
     return (covered[offsets[:, 1]] > covered[offsets[:, 0]]).astype(np.int8)
 
 
+# The assistant mask is the tokens covering the supervised spans.
+supervised_tokens = covered_tokens
+
+
 def tokenize_batch(
-    batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, template: str
+    batch: dict[str, list],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    options: ChatOptions | None = None,
+    indices: list[int] | None = None,
 ) -> dict[str, list]:
-    """``datasets.map`` function: every row becomes a document, or an empty one with a ``malformed`` reason."""
+    """Every row of ``batch`` as its documents, or one empty document with a ``malformed`` reason;
+    ``indices`` are the rows' places in their source (default: their places in ``batch``)."""
+    options = options or ChatOptions()
     size = len(next(iter(batch.values())))
+    indices = list(range(size)) if indices is None else indices
     rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
-    texts, spans, reasons, fields = [], [], [], []
-    for row in rows:
+    out: dict[str, list] = {name: [] for name in FEATURES}
+    texts, spans, reasoning = [], [], []
+    for row, index in zip(rows, indices, strict=True):
         try:
-            text, row_spans = render_with_assistant_spans(normalize_conversation(row), template, tokenizer)
-            reasons.append("")
-            fields.append("")
+            conversation = read_conversation(row, drop_media=options.drop_media)
+            rendering = render_conversation(
+                conversation, template, tokenizer, options.template_kwargs, options.supervise_reasoning
+            )
         except MalformedRow as malformed:
-            text, row_spans = "", []
-            reasons.append(malformed.reason)
-            fields.append(malformed.field)
-        texts.append(text)
-        spans.append(row_spans)
+            texts.append("")
+            spans.append([])
+            reasoning.append([])
+            out["malformed"].append(malformed.reason)
+            out["malformed_field"].append(malformed.field)
+            out["row"].append(index)
+            for name in ROW_COUNTS:
+                out[name].append(0)
+            continue
+        counts = {
+            "tool_calls": rendering.tool_calls,
+            "tool_results": rendering.tool_results,
+            "reasoning_dropped": rendering.reasoning_dropped,
+            "media_dropped": conversation.dropped_parts,
+        }
+        for number, document in enumerate(rendering.documents):
+            texts.append(document.text)
+            spans.append(document.spans)
+            reasoning.append(document.reasoning)
+            out["malformed"].append("")
+            out["malformed_field"].append("")
+            out["row"].append(index)
+            for name, count in counts.items():
+                out[name].append(count if number == 0 else 0)
     backend = tokenizer.backend_tokenizer
     # The tokenizers backend directly: about a third faster than the transformers call with offsets.
     # A tokenizer.json may carry truncation or padding settings, which would cut documents silently;
@@ -145,15 +172,24 @@ def tokenize_batch(
         backend.no_truncation()
     if backend.padding is not None:
         backend.no_padding()
-    input_ids, loss_mask = [], []
-    for encoding, text, row_spans in zip(
-        backend.encode_batch(texts, add_special_tokens=False), texts, spans, strict=True
+    for encoding, text, doc_spans, doc_reasoning in zip(
+        backend.encode_batch(texts, add_special_tokens=False), texts, spans, reasoning, strict=True
     ):
         count = len(encoding.ids)
         offsets = np.fromiter(chain.from_iterable(encoding.offsets), dtype=np.int64, count=2 * count)
-        input_ids.append(np.array(encoding.ids, dtype=np.int32))
-        loss_mask.append(supervised_tokens(offsets.reshape(count, 2), row_spans, len(text)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "malformed": reasons, "malformed_field": fields}
+        offsets = offsets.reshape(count, 2)
+        mask = covered_tokens(offsets, doc_spans, len(text))
+        thinking = covered_tokens(offsets, doc_reasoning, len(text))
+        out["input_ids"].append(np.array(encoding.ids, dtype=np.int32))
+        out["loss_mask"].append(mask)
+        out["reasoning_tokens"].append(int(thinking.sum()))
+        out["reasoning_supervised"].append(int((thinking & mask).sum()))
+    return out
+
+
+def _tokenize_indexed(batch: dict[str, list], indices: list[int], **kwargs: Any) -> dict[str, list]:
+    """``datasets.map`` with indices passes them second."""
+    return tokenize_batch(batch, indices=indices, **kwargs)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -173,6 +209,7 @@ def tokenize_rows(
     template: str,
     *,
     source_fingerprint: str,
+    options: ChatOptions | None = None,
     num_proc: int | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> datasets.Dataset:
@@ -187,16 +224,26 @@ def tokenize_rows(
             f"tokenizer {tokenizer.name_or_path!r} is not a fast (tokenizers-backed) tokenizer; the assistant mask "
             "needs character offsets, so load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
+    options = options or ChatOptions()
     fingerprint = Hasher.hash(
-        [source_fingerprint, tokenizer_fingerprint(tokenizer), template, TOKENIZE_VERSION]
+        [
+            source_fingerprint,
+            tokenizer_fingerprint(tokenizer),
+            template,
+            sorted(options.template_kwargs.items()),
+            options.supervise_reasoning,
+            options.drop_media,
+            TOKENIZE_VERSION,
+        ]
     )
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     return rows.map(
-        tokenize_batch,
+        _tokenize_indexed,
         batched=True,
+        with_indices=True,
         batch_size=256,
-        fn_kwargs={"tokenizer": tokenizer, "template": template},
+        fn_kwargs={"tokenizer": tokenizer, "template": template, "options": options},
         remove_columns=rows.column_names,
         features=FEATURES,
         num_proc=num_proc if num_proc and num_proc > 1 and len(rows) > 1 else None,
@@ -212,7 +259,7 @@ NAMED_PER_REASON = 3
 
 @dataclass(frozen=True)
 class MalformedExample:
-    """One malformed row: its index in the tokenised table, why, and the field at fault."""
+    """One malformed row: its index in the source, why, and the field at fault."""
 
     index: int
     reason: str
@@ -221,12 +268,14 @@ class MalformedExample:
 
 @dataclass(frozen=True)
 class TokenizedCorpus:
-    """The valid documents of a tokenised source, the count of malformed rows by reason, and the first
-    :data:`NAMED_PER_REASON` of each reason (in row order)."""
+    """The valid documents of a tokenised source, the count of malformed rows by reason, the first
+    :data:`NAMED_PER_REASON` of each reason (in row order), and each document's :data:`SHAPE_COUNTS`
+    (arrays aligned with ``documents``)."""
 
     documents: Documents
     malformed: Counter
     examples: tuple[MalformedExample, ...] = ()
+    shapes: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def from_dataset(cls, tokenized: datasets.Dataset) -> TokenizedCorpus:
@@ -242,8 +291,10 @@ class TokenizedCorpus:
         malformed = Counter(reason for reason in reasons if reason)
         examples, named = [], Counter()
         fields = table.column("malformed_field").to_pylist() if malformed else []
+        rows = table.column("row").to_pylist() if malformed else []
         for index, reason in enumerate(reasons if malformed else []):
             if reason and named[reason] < NAMED_PER_REASON:
                 named[reason] += 1
-                examples.append(MalformedExample(index, reason, fields[index]))
-        return cls(documents, malformed, tuple(examples))
+                examples.append(MalformedExample(rows[index], reason, fields[index]))
+        shapes = {name: table.column(name).to_numpy().astype(np.int64)[valid] for name in SHAPE_COUNTS}
+        return cls(documents, malformed, tuple(examples), shapes)

@@ -395,10 +395,17 @@ def _regenerate_batch(
     return rows
 
 
-def _unanswerable(messages: list[dict[str, str]]) -> str | None:
+# Regenerating an agent's turn would need its tools run on the new calls; the recorded results
+# answer the recorded calls, not the target's.
+TOOL_TURNS = "tool calls (regenerate runs no tools)"
+
+
+def _unanswerable(messages: list[dict[str, Any]]) -> str | None:
     for message in messages:
         if message["role"] == "user" and not message["content"].strip():
             return "empty user turn"
+        if message["role"] == "tool" or message.get("tool_calls"):
+            return TOOL_TURNS
     return None
 
 

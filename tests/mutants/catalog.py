@@ -24,6 +24,8 @@ class Mutant:
 
 DSPARK = "tests/families/dspark/test_dspark.py::"
 SERVED = "tests/serving/test_served_evaluate.py::test_a_perfect_draft_reaches_the_maximum_acceptance_length"
+CHAT_MASKS = "tests/data/test_template_masks.py::"
+CHAT_SHAPES = "tests/data/test_chat_shapes.py::"
 CONFORMANCE_RELOAD = (
     "tests/families/test_conformance.py::test_export_validates_and_reloads_into_the_same_draft"
 )
@@ -191,6 +193,52 @@ MUTANTS: tuple[Mutant, ...] = (
         "grouped = query.float().unflatten(1, heads[::-1]).transpose(1, 2)",
         ("tests/families/eagle3/test_eagle3.py::test_ttt_attention_equals_explicit_concatenated_keys",),
         "EAGLE-3's TTT diagonal pairs query head h with key head h % kv_heads instead of h // groups",
+    ),
+    # --- chat rendering and the supervision mask -------------------------------------------------------------
+    Mutant(
+        "chat-tool-result-supervised",
+        "datamodules/chat_render.py",
+        'turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]',
+        'turns = [i for i, message in enumerate(messages) if message["role"] in ("assistant", "tool")]',
+        (
+            CHAT_MASKS + "test_llama31_tool_call_supervised_and_ipython_result_not",
+            CHAT_SHAPES + "test_tool_definitions_reach_the_template_unsupervised",
+        ),
+        "a tool result is supervised as if the target wrote it",
+    ),
+    Mutant(
+        "chat-earlier-turns-supervised-with-their-reasoning",
+        "datamodules/chat_render.py",
+        "groups = [(through[i], [i]) for i in turns]",
+        "groups = [(through[i], turns[: turns.index(i) + 1]) for i in turns]",
+        (CHAT_MASKS + "test_qwen3_one_document_per_turn_with_the_earlier_reasoning_removed",),
+        "each per-turn document also supervises the earlier turns, keeping an earlier turn's reasoning in the "
+        "supervision where Qwen3 serves it without",
+    ),
+    Mutant(
+        "chat-history-rewrite-ignored",
+        "datamodules/chat_render.py",
+        "if all(full.startswith(through[i]) for i in turns):",
+        "if True:",
+        (CHAT_MASKS + "test_qwen3_one_document_per_turn_with_the_earlier_reasoning_removed",),
+        "a template that rewrites earlier turns still gets one document: the spans of the turns before the "
+        "last query point into text the template rewrote",
+    ),
+    Mutant(
+        "chat-reasoning-supervised-regardless",
+        "datamodules/chat_render.py",
+        "spans += [(start, end)] if supervise_reasoning else [(start, found[0]), (found[1], end)]",
+        "spans += [(start, end)]",
+        (CHAT_MASKS + "test_qwen3_reasoning_unsupervised_when_asked",),
+        "supervise_reasoning=False still supervises the reasoning",
+    ),
+    Mutant(
+        "chat-turn-runs-past-eos",
+        "datamodules/chat_render.py",
+        "end = stop + len(self.eos)",
+        "end = len(through)",
+        (CHAT_MASKS + "test_smollm2_default_system_prompt_is_prompt_and_the_turn_ends_at_im_end",),
+        "the newline a template writes after the end-of-turn token is supervised, after the target stopped",
     ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(

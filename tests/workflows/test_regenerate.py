@@ -122,6 +122,30 @@ def test_regenerated_answers_are_the_targets_turn_by_turn(target, chats, tmp_pat
             assert row["messages"][position]["content"] == text
 
 
+def test_a_conversation_with_tool_calls_is_counted_not_regenerated(target, tmp_path):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+        {
+            "messages": [
+                {"role": "user", "content": "Run f"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"},
+                {"role": "assistant", "content": "It ran."},
+            ]
+        },
+    ]
+    files = tmp_path / "agent.jsonl"
+    files.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    datamodule = data(files, tmp_path)
+    with pytest.warns(UserWarning, match=r"\{'tool calls \(regenerate runs no tools\)': 1\}"):
+        meta = regenerate(
+            datamodule, engine(target, datamodule), tmp_path / "out.jsonl", OPTIONS, progress=False
+        )
+    assert meta["counts"]["skipped_rows"] == [{"row": 1, "reason": "tool calls (regenerate runs no tools)"}]
+    assert meta["counts"]["rows_written"] == 1
+
+
 def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_rows(
     target, chats, tmp_path, caplog
 ):
