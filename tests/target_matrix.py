@@ -140,6 +140,11 @@ REFUSED: dict[tuple[str, str], str] = {
     "attn_backend='flex' needs; run the target with attn_backend='sdpa'",
 }
 
+# Draft module class -> the only architectures it trains on (every other class trains on all of them), and the
+# refusal the others get.
+FAMILY_ONLY = {"MLAEagle3Module": ("deepseek_v3",)}
+FAMILY_REFUSAL = {"MLAEagle3Module": "lacks the MLA fields"}
+
 CELLS = [(architecture, path) for architecture in ARCHITECTURES for path in PATHS]
 TESTED = [cell for cell in CELLS if cell not in REFUSED]
 
@@ -151,3 +156,27 @@ def config(architecture: str) -> dict:
 def first_path(architecture: str) -> str:
     """The first path that runs ``architecture`` (the one a draft is trained through in the matrix)."""
     return next(path for path in PATHS if (architecture, path) not in REFUSED)
+
+
+def family_trains(module_name: str, architecture: str) -> bool:
+    return architecture in FAMILY_ONLY.get(module_name, ARCHITECTURES)
+
+
+def matrix_table(module_names: list[str]) -> str:
+    """The matrix as the docs show it (docs/reference/target-matrix.md): one row per architecture, one column
+    per path (``tested``, or the refusal), and the draft classes that train a step on it."""
+    header = [
+        "architecture",
+        "model_type",
+        *(f"`{path}`" for path in PATHS),
+        "draft classes trained a step (first tested path)",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for architecture, (title, fields) in ARCHITECTURES.items():
+        cells = [
+            f"refused: {REFUSED[architecture, path]}" if (architecture, path) in REFUSED else "tested"
+            for path in PATHS
+        ]
+        trained = ", ".join(name for name in module_names if family_trains(name, architecture))
+        lines.append(f"| {title} | `{fields['model_type']}` | " + " | ".join(cells) + f" | {trained} |")
+    return "\n".join(lines)
