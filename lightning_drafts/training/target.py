@@ -527,9 +527,11 @@ class FrozenTarget(nn.Module):
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _has_attention_sinks(self) -> bool:
-        # gpt-oss keeps one learnt sink logit per head as its attention module's ``sinks`` parameter.
+        # gpt-oss keeps one learnt sink logit per head as its attention module's ``sinks`` parameter (a
+        # linear-attention layer has no ``self_attn``).
         return any(
-            isinstance(getattr(layer.self_attn, "sinks", None), Tensor) for layer in self.decoder_layers
+            isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), Tensor)
+            for layer in self.decoder_layers
         )
 
     def _kind_mask(self, kind: LayerKind, packed: PackedBatch, backend: str) -> Any:
@@ -549,6 +551,18 @@ class FrozenTarget(nn.Module):
 
     def _forward_varlen(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
         """FlashAttention varlen over the real tokens only: padding costs nothing, any batch size works."""
+        # transformers hands flash_attention_2 no attention sinks (its kernel takes none), and its linear-attention
+        # layers read the document bounds only through kernels this path does not check for.
+        if self._has_attention_sinks():
+            raise ValueError(
+                "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
+                "with attn_backend='flex' on CUDA"
+            )
+        if any(kind.kind == LINEAR for kind in self.layer_kinds):
+            raise ValueError(
+                "the target's linear-attention layers are not checked to restart at each document under "
+                "attn_backend='flash'; run it with attn_backend='sdpa' on the CPU, which runs each document alone"
+            )
         layout = varlen_layout(packed)
         hidden = self._decoder(
             input_ids=packed.input_ids.reshape(1, -1)[:, layout.token_index],

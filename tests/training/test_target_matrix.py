@@ -5,6 +5,8 @@ in one line naming the layer kind and the path that can; every draft family trai
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -123,6 +125,29 @@ def test_a_path_that_cannot_isolate_a_targets_layers_refuses_it_in_one_line(arch
     with pytest.raises(ValueError) as refused:
         target(row, LAYER_IDS)
     assert str(refused.value) == REFUSED[architecture, path]
+
+
+@pytest.mark.parametrize(
+    ("architecture", "refusal"),
+    [
+        (
+            "gpt_oss",
+            "attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it with "
+            "attn_backend='flex' on CUDA",
+        ),
+        (
+            "qwen3_next",
+            "linear-attention layers are not checked to restart at each document under "
+            "attn_backend='flash'; run it with attn_backend='sdpa' on the CPU",
+        ),
+    ],
+)
+def test_the_flash_path_refuses_sinks_and_linear_attention(architecture, refusal):
+    # The CUDA path is reached on a GPU only; its refusal comes before any kernel runs.
+    target = FrozenTarget(config(architecture))
+    row = validate_batch(packed_row(random_docs(list(LENGTHS), seed=3), WIDTH), vocab_size=target.vocab_size)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        target._forward_varlen(row, {})
 
 
 def family_cells() -> list:
