@@ -68,6 +68,7 @@ def references() -> dict[str, torch.nn.Module]:
     return reference
 
 
+@torch.no_grad()
 def alone(model: torch.nn.Module, document: torch.Tensor) -> list[torch.Tensor]:
     states = model(input_ids=document[None], output_hidden_states=True, use_cache=False).hidden_states
     # hidden_states[i + 1] is layer i's output; the last one is the final norm's.
