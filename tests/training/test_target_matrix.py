@@ -26,6 +26,9 @@ from tests.target_matrix import (
     first_path,
 )
 
+# Tiny models: a second thread only adds synchronisation to each small matmul.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYER_IDS = tuple(range(LAYERS))
 # Three documents longer than the window / chunk (tests.target_matrix.WINDOW), in a row with padding after.
 LENGTHS = (7, 9, 6)
