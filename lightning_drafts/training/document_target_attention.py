@@ -9,7 +9,9 @@ instead hands every layer's queries, keys and values to :func:`document_target_a
 ``(row, start, stop)`` span of every document's real tokens from the forward's keyword arguments
 (transformers passes them to the attention function untouched) and runs PyTorch's fused CPU flash kernel,
 the one SDPA picks on the CPU, once per document with its causal flag: the kernel skips the masked half
-itself, no mask is built, and padding costs no attention (its output is zero; no real token reads a
+itself, no mask is built (a sliding-window or chunked layer gets its pattern as a mask of the document's own
+size, counted from the document's start, as the model applies it to the document alone), and padding costs
+no attention (its output is zero; no real token reads a
 padding slot). Transformers builds no mask of its own for an implementation its mask interface does not
 know. :class:`~lightning_drafts.training.target.FrozenTarget` first gathers the micro-batch's real tokens
 into one row, so its spans are documents of that row and the linear layers skip the padding too.
@@ -24,12 +26,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
-from lightning_drafts.attention.backends import one_dtype
+from lightning_drafts.attention.backends import additive_mask, one_dtype
 from lightning_drafts.attention.cpu_flash import cpu_flash_attention
 from lightning_drafts.attention.kv_heads import query_groups
+from lightning_drafts.attention.layer_kinds import (
+    FULL,
+    SLIDING,
+    LayerKind,
+    allowed_within_document,
+    layer_kinds,
+)
 
 DOCUMENT_ATTENTION = "lightning_drafts_documents"
 # The keyword argument of the model's forward that carries the spans down to every layer.
@@ -57,14 +67,14 @@ def document_target_attention(
         )
     if dropout:
         raise ValueError(f"the frozen target's attention runs without dropout, got dropout={dropout}")
-    changes = {
-        name: kwargs.get(name) for name in ("sliding_window", "softcap") if kwargs.get(name) is not None
-    }
-    if changes:
+    kinds = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}
+    asked = [kind for name, kind in kinds.items() if kwargs.get(name) is not None]
+    if asked:
         raise ValueError(
-            f"the frozen target's CPU attention is full causal attention within each document, but this "
-            f"layer asks for {changes}; run the target with attn_backend='eager'"
+            f"the frozen target's per-document CPU attention (attn_backend='sdpa' on the CPU) has no "
+            f"{' or '.join(asked)}, which the target's layers apply; run the target with attn_backend='eager'"
         )
+    kind = _layer_kind(module, kwargs)
     batch, _, width, _ = query.shape
     if spans and (max(row for row, _, _ in spans) >= batch or max(stop for _, _, stop in spans) > width):
         raise ValueError(
@@ -86,10 +96,33 @@ def document_target_attention(
             key[row : row + 1, :, piece],
             value[row : row + 1, :, piece],
             scale,
-            causal=True,
+            causal=kind.kind == FULL,
+            bias=None if kind.kind == FULL else _within_document_bias(kind, stop - start, query),
         )
         out[row, piece] = attended[0].transpose(0, 1)
     return out, None
+
+
+def _layer_kind(module: nn.Module, kwargs: dict[str, Any]) -> LayerKind:
+    """The layer's attention pattern: the window transformers passes a sliding layer, else the layer's type
+    in its config (a chunked layer passes nothing: its chunks live in the mask it no longer gets)."""
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        return LayerKind(SLIDING, int(window))
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is not None and index is not None:
+        return layer_kinds(config)[index]
+    return LayerKind(FULL)
+
+
+def _within_document_bias(kind: LayerKind, length: int, query: Tensor) -> Tensor:
+    """The additive ``[1, 1, n, n]`` mask of one ``length``-token document under a window or chunk ``kind``:
+    document-sized, never the row's."""
+    offset = torch.arange(length, device=query.device)
+    allowed = (offset[:, None] >= offset[None, :]) & allowed_within_document(
+        kind, offset[:, None], offset[None, :]
+    )
+    return additive_mask(allowed[None, None], query.dtype)
 
 
 AttentionInterface.register(DOCUMENT_ATTENTION, document_target_attention)

@@ -21,6 +21,14 @@ from lightning_drafts.attention.backends import (
     document_causal_mask_mod,
     resolve_backend,
 )
+from lightning_drafts.attention.layer_kinds import (
+    FULL,
+    LINEAR,
+    LayerKind,
+    document_kind_mask,
+    document_kind_mask_mod,
+    layer_kinds,
+)
 from lightning_drafts.core.batch import PackedBatch, varlen_layout
 from lightning_drafts.core.checks import is_int
 from lightning_drafts.core.digest import state_digest
@@ -302,8 +310,21 @@ class FrozenTarget(nn.Module):
         return identity
 
     @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm) the LM head reads: ``get_decoder()``, or its
+        ``model`` where that is the whole causal LM (Llama 4's text model: its base-model prefix names the
+        multimodal wrapper's language model, which a text-only model does not hold)."""
+        decoder = self.model.get_decoder()
+        return self.model.model if decoder is self.model else decoder
+
+    @property
     def decoder_layers(self) -> nn.ModuleList:
-        return self.model.get_decoder().layers
+        return self.decoder.layers
+
+    @property
+    def layer_kinds(self) -> list[LayerKind]:
+        """Each decoder layer's attention pattern (full, sliding window, chunked, linear)."""
+        return layer_kinds(self.text_config)
 
     @property
     def input_embeddings(self) -> nn.Embedding:
@@ -472,7 +493,7 @@ class FrozenTarget(nn.Module):
     def _decoder_through(self, last: int | None) -> Iterator[None]:
         """The decoder's layers cut after layer ``last`` for one forward (None: all of them), so that no layer
         after it runs: transformers' decoders run the layers their ``layers`` list holds."""
-        decoder = self.model.get_decoder()
+        decoder = self.decoder
         layers = decoder.layers
         if last is None or last + 1 >= len(layers):
             yield
@@ -484,19 +505,64 @@ class FrozenTarget(nn.Module):
             decoder.layers = layers
 
     def _decoder(self, **inputs: Any) -> Tensor:
-        return self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        return self.decoder(**inputs, use_cache=False).last_hidden_state
 
     def _document_mask(self, packed: PackedBatch, backend: str) -> Any:
+        """The mask of every layer kind the target has, each cut per document: one mask where all layers
+        share a kind, else transformers' ``{layer type: mask}`` mapping (a single custom mask would replace
+        the sliding windows and chunks of the layers that have them)."""
+        kinds = self.layer_kinds
+        if any(kind.kind == LINEAR for kind in kinds):
+            raise ValueError(
+                f"the target's linear-attention layers carry their state across packed documents under "
+                f"attn_backend={backend!r}; run it with attn_backend='sdpa' on the CPU, which runs each "
+                "document alone"
+            )
+        if backend == "flex" and packed.input_ids.device.type == "cpu" and self._has_attention_sinks():
+            raise ValueError(
+                "the target's attention sinks do not run in flex attention on the CPU (attn_backend='flex'); "
+                "run it with attn_backend='eager' on the CPU"
+            )
+        masks = {kind.kind: self._kind_mask(kind, packed, backend) for kind in kinds}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def _has_attention_sinks(self) -> bool:
+        # gpt-oss keeps one learnt sink logit per head as its attention module's ``sinks`` parameter (a
+        # linear-attention layer has no ``self_attn``).
+        return any(
+            isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), Tensor)
+            for layer in self.decoder_layers
+        )
+
+    def _kind_mask(self, kind: LayerKind, packed: PackedBatch, backend: str) -> Any:
         if backend == "flex":
             batch, width = packed.shape
-            mask_mod = document_causal_mask_mod(packed.doc_ids)
+            if kind.kind == FULL:
+                mask_mod = document_causal_mask_mod(packed.doc_ids)
+            else:
+                mask_mod = document_kind_mask_mod(kind, packed.doc_ids, packed.doc_start)
             return block_mask_from_mask_mod(mask_mod, batch, width, width, packed.input_ids.device)
-        mask = block_causal_mask(packed.doc_ids)
+        if kind.kind == FULL:
+            mask = block_causal_mask(packed.doc_ids)
+        else:
+            mask = document_kind_mask(kind, packed.doc_ids, packed.doc_start)
         # eager attention adds its mask to the scores, so it must get the additive form.
         return additive_mask(mask, self.model.dtype) if backend == "eager" else mask
 
     def _forward_varlen(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
         """FlashAttention varlen over the real tokens only: padding costs nothing, any batch size works."""
+        # transformers hands flash_attention_2 no attention sinks (its kernel takes none), and its linear-attention
+        # layers read the document bounds only through kernels this path does not check for.
+        if self._has_attention_sinks():
+            raise ValueError(
+                "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
+                "with attn_backend='flex' on CUDA"
+            )
+        if any(kind.kind == LINEAR for kind in self.layer_kinds):
+            raise ValueError(
+                "the target's linear-attention layers are not checked to restart at each document under "
+                "attn_backend='flash'; run it with attn_backend='sdpa' on the CPU, which runs each document alone"
+            )
         layout = varlen_layout(packed)
         hidden = self._decoder(
             input_ids=packed.input_ids.reshape(1, -1)[:, layout.token_index],
@@ -511,7 +577,14 @@ class FrozenTarget(nn.Module):
     def _select_backend(self, device: torch.device) -> str:
         backend = resolve_backend(self.requested_backend, device)
         if backend != self.backend:
-            self.model.set_attn_implementation(HF_ATTENTION[backend])
+            try:
+                self.model.set_attn_implementation(HF_ATTENTION[backend])
+            except ValueError:
+                other = "sdpa" if any(kind.kind == LINEAR for kind in self.layer_kinds) else "eager"
+                raise ValueError(
+                    f"transformers runs {type(self.model).__name__} without {HF_ATTENTION[backend]!r} attention, "
+                    f"which attn_backend={backend!r} needs; run the target with attn_backend={other!r}"
+                ) from None
             self.backend = backend
         return backend
 
@@ -535,20 +608,55 @@ class FrozenTarget(nn.Module):
         one thread, where 64 rows or more did not), so a document's features do not depend on how few
         tokens share its micro-batch."""
         layout = varlen_layout(packed)
-        real = layout.token_index.numel()
-        compact = max(-(-real // COMPACT_ROW_MULTIPLE), 1) * COMPACT_ROW_MULTIPLE
-        input_ids, position_ids = (
-            _gather_row(values, layout.token_index, compact)
-            for values in (packed.input_ids, packed.position_ids)
-        )
         bounds = layout.cu_seqlens.tolist()
         spans = tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
         self.model.set_attn_implementation(DOCUMENT_ATTENTION)
         try:
-            hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, **{SPANS_ARGUMENT: spans})
+            if spans and any(kind.kind == LINEAR for kind in self.layer_kinds):
+                hidden = self._each_document_alone(packed, layout.token_index, spans, captured)
+            else:
+                hidden = self._documents_in_one_row(packed, layout.token_index, spans)
         finally:
             self.model.set_attn_implementation(HF_ATTENTION[self.backend])
         return _back_to_rows(hidden, captured, layout.token_index, packed.shape)
+
+    def _documents_in_one_row(
+        self, packed: PackedBatch, token_index: Tensor, spans: tuple[tuple[int, int, int], ...]
+    ) -> Tensor:
+        compact = _compact_width(token_index.numel())
+        input_ids, position_ids = (
+            _gather_row(values, token_index, compact) for values in (packed.input_ids, packed.position_ids)
+        )
+        return self._decoder(input_ids=input_ids, position_ids=position_ids, **{SPANS_ARGUMENT: spans})
+
+    def _each_document_alone(
+        self,
+        packed: PackedBatch,
+        token_index: Tensor,
+        spans: tuple[tuple[int, int, int], ...],
+        captured: dict[int, Tensor],
+    ) -> Tensor:
+        """One decoder forward per document, laid out as :meth:`_documents_in_one_row`'s row: a linear-attention
+        layer's recurrent state and causal convolution run along the whole row they are given, and
+        transformers' CPU fallbacks of them take no document bounds, so each document gets a row of its own
+        (filled to a multiple of :data:`COMPACT_ROW_MULTIPLE` after it, which a causal layer never reads)."""
+        hidden, layers = [], {layer_id: [] for layer_id in captured}
+        for _, start, stop in spans:
+            own = token_index[start:stop]
+            width = _compact_width(stop - start)
+            captured.clear()
+            hidden.append(
+                self._decoder(
+                    input_ids=_gather_row(packed.input_ids, own, width),
+                    position_ids=_gather_row(packed.position_ids, own, width),
+                    **{SPANS_ARGUMENT: ((0, 0, stop - start),)},
+                )[:, : stop - start]
+            )
+            for layer_id, state in captured.items():
+                layers.setdefault(layer_id, []).append(state[:, : stop - start])
+        captured.clear()
+        captured.update({layer_id: torch.cat(states, dim=1) for layer_id, states in layers.items()})
+        return torch.cat(hidden, dim=1)
 
     def _check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
@@ -646,6 +754,11 @@ def _capture_into(store: dict[int, Tensor], layer_id: int):
         store[layer_id] = output[0] if isinstance(output, tuple) else output
 
     return hook
+
+
+def _compact_width(tokens: int) -> int:
+    """The width of a gathered row of ``tokens`` real tokens: the next multiple of :data:`COMPACT_ROW_MULTIPLE`."""
+    return max(-(-tokens // COMPACT_ROW_MULTIPLE), 1) * COMPACT_ROW_MULTIPLE
 
 
 def _gather_row(values: Tensor, token_index: Tensor, width: int) -> Tensor:

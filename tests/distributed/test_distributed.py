@@ -172,7 +172,7 @@ def test_every_fsdp2_recipe_fits_on_cpu_in_bf16(tmp_path):
     """Each GPU recipe as shipped (FSDP2, bf16-mixed, its draft hyperparameters and callbacks) with only
     the target, data, accelerator and run length shrunk, through `lightning-drafts fit` on 2 processes;
     the checkpoint holds the float32 master weights bf16-mixed keeps."""
-    assert len(FSDP2_RECIPES) == 5
+    assert len(FSDP2_RECIPES) == 7
     run_script("recipe_on_cpu.py", str(tmp_path), *map(str, FSDP2_RECIPES))
     for recipe in FSDP2_RECIPES:
         (best,) = (tmp_path / recipe.stem).glob("runs/*/version_0/checkpoints/best*.ckpt")

@@ -140,7 +140,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "target-document-attention-not-causal",
         "lightning_drafts/training/document_target_attention.py",
-        "causal=True,",
+        "causal=kind.kind == FULL,",
         "causal=False,",
         (
             "tests/training/test_target.py::"
@@ -552,6 +552,49 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_repeated_signal_saves_the_step_once_and_exits_as_the_first_one",
         ),
         "a Ctrl-C after a SIGTERM turns the exit into 130: the scheduler's signal is no longer what the job reports",
+    ),
+    # --- the target matrix: packed documents kept apart in every layer kind --------------------------------
+    Mutant(
+        "target-window-over-the-whole-row",
+        "lightning_drafts/attention/layer_kinds.py",
+        "return (same_doc & causal & within)[:, None]",
+        "return (causal & within)[:, None]",
+        (
+            "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[gemma3-eager]",
+            "tests/training/test_target_matrix.py::test_a_documents_features_do_not_change_with_the_documents_beside_it[mistral-eager]",
+        ),
+        "a sliding-window layer's mask spans the whole row: a document reads the end of the one before it",
+    ),
+    Mutant(
+        "target-chunks-counted-from-the-row",
+        "lightning_drafts/attention/layer_kinds.py",
+        "start = doc_start[b, q_idx]",
+        "start = 0 * doc_start[b, q_idx]",
+        (
+            "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[llama4-flex]",
+        ),
+        "Llama 4's attention chunks start at the row's start, not at each document's",
+    ),
+    Mutant(
+        "target-per-document-window-dropped",
+        "lightning_drafts/training/document_target_attention.py",
+        "return LayerKind(SLIDING, int(window))",
+        "return LayerKind(FULL)",
+        (
+            "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[mistral-sdpa]",
+        ),
+        "the per-document CPU attention attends to the whole document where the layer has a sliding window",
+    ),
+    Mutant(
+        "target-linear-state-across-documents",
+        "lightning_drafts/training/target.py",
+        "if spans and any(kind.kind == LINEAR for kind in self.layer_kinds):",
+        "if spans and any(kind.kind == FULL for kind in []):",
+        (
+            "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[qwen3_next-sdpa]",
+            "tests/training/test_target_matrix.py::test_a_documents_features_do_not_change_with_the_documents_beside_it[qwen3_next-sdpa]",
+        ),
+        "Qwen3-Next's Gated DeltaNet state and convolution run on along the row into the next document",
     ),
 )
 

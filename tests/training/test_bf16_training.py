@@ -86,6 +86,6 @@ def test_bf16_true_with_plain_adamw_never_moves_the_norm_gains(runs):
 
 
 def test_every_gpu_recipe_trains_in_bf16_mixed():
-    assert len(RECIPES) == 6
+    assert len(RECIPES) == 8
     for recipe in RECIPES:
         assert yaml.safe_load(recipe.read_text())["trainer"]["precision"] == "bf16-mixed", recipe.name
