@@ -3,15 +3,16 @@
     python tests/scripts/gpu_paths.py                        # on CUDA: every check below
     python tests/scripts/gpu_paths.py --device cpu [--quick] # every check that has a CPU forward
 
-Each check runs in a process of its own with a timeout of its own (``CHECK_TIMEOUT_S``): a fresh dynamo
-cache per check (no check inherits another's compiled variants), and a hang or a crash of one check costs
-that check only. Results go to ``--out`` (default ``$OUT/gpu_paths.json``, else ``./gpu_paths.json``),
-rewritten after every check, so a run cut off keeps what it proved: the versions (torch, triton, flash-attn,
-transformers, lightning), the device, and per check PASS / FAIL / SKIP, its numbers (with the compiled
-attention variants it left, per entry point) and its seconds. A check that would start after ``--budget``
-seconds is skipped (the time guard). Inductor's cache lives in a persistent directory
-(``TORCHINDUCTOR_CACHE_DIR``, default ``.cache/inductor`` in the repository), so a second run compiles
-nothing; a dynamo recompile-limit hit fails the check that hit it instead of silently running flex unfused.
+Each check runs in a process of its own with a timeout of its own (``CHECK_TIMEOUT_S``; off CUDA a fork of
+this process, which saves each check the imports): a fresh dynamo cache per check (no check inherits
+another's compiled variants), and a hang or a crash of one check costs that check only. Results go to
+``--out`` (default ``$OUT/gpu_paths.json``, else ``./gpu_paths.json``), rewritten after every check, so a run
+cut off keeps what it proved: the versions (torch, triton, flash-attn, transformers, lightning), the device,
+and per check PASS / FAIL / SKIP, its numbers (with the compiled attention variants it left, per entry point)
+and its seconds. A check that would start after ``--budget`` seconds is skipped (the time guard). Inductor's
+cache lives in a persistent directory (``TORCHINDUCTOR_CACHE_DIR``, default ``.cache/inductor`` in the
+repository), so a second run compiles nothing; a dynamo recompile-limit hit fails the check that hit it
+instead of silently running flex unfused.
 
 Checks, in the order they run:
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
@@ -653,11 +655,38 @@ def run_one(name: str, device: str, quick: bool) -> dict:
     return result
 
 
+def forked_child(name: str, args: argparse.Namespace, result_path: Path, timeout: float) -> dict | None:
+    """Run the check ``name`` in a fork of this process (which has imported torch, Lightning and the library
+    but run nothing on a device): a process of its own, with its own dynamo cache from the first call,
+    without paying the imports again. Only off CUDA: a fork cannot use the CUDA context of a parent that
+    initialised it (``environment()`` does, for the device's name). Returns None when the child left a
+    result, else the failure."""
+    child = multiprocessing.get_context("fork").Process(
+        target=lambda: result_path.write_text(json.dumps(run_one(name, args.device, args.quick), default=str))
+    )
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return {"check": name, "status": "FAIL", "error": f"killed after its {timeout} s timeout"}
+    if result_path.exists():
+        return None
+    return {
+        "check": name,
+        "status": "FAIL",
+        "error": f"the check's process exited {child.exitcode} without a result",
+    }
+
+
 def run_in_child(name: str, args: argparse.Namespace) -> dict:
     """Run the check ``name`` in a process of its own, killed after its timeout."""
     timeout = CHECK_TIMEOUT_S[name] * (1 if args.device == "cuda" else 3)
     with tempfile.TemporaryDirectory() as scratch:
         result_path = Path(scratch) / "result.json"
+        if args.device != "cuda":
+            failure = forked_child(name, args, result_path, timeout)
+            return failure or json.loads(result_path.read_text())
         command = [
             sys.executable, __file__, "--one", name, "--device", args.device, "--result", str(result_path),
             *(["--quick"] if args.quick else []),
