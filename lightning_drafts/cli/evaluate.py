@@ -7,8 +7,8 @@ Examples::
     lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --engine vllm
     lightning-drafts evaluate runs/export --config configs/quickstart/eagle3.yaml --prompts mt-bench --out r/
 
-Prompt sources, first match wins: ``--prompts`` (a shipped prompt set by name, ``mt-bench`` or
-``humaneval``; a chat JSONL of user turns; or a JSONL of token ids), ``--data-files`` (chat files,
+Prompt sources, first match wins: ``--prompts`` (a shipped prompt set by name, ``mt-bench``,
+``humaneval``, ``gsm8k`` or ``math-500``; a chat JSONL of user turns; or a JSONL of token ids), ``--data-files`` (chat files,
 tokenised by ``lightning_drafts.datamodules.PackedChatDataModule``), ``--config`` / ``--data-config`` (a ``fit`` config:
 its ``data`` section gives the same held-out split training validated on), else the embedded corpus with
 the quickstart split.

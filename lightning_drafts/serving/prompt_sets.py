@@ -1,6 +1,7 @@
-"""Text prompt sets that speculative-decoding results are compared on: MT-Bench's 80 two-turn questions and
-HumanEval's 164 problems (shipped with the package: ``lightning_drafts/shipped/prompt_data/README.md`` gives
-their sources and licenses), or a user's own chat JSONL.
+"""Text prompt sets that speculative-decoding results are compared on: MT-Bench's 80 two-turn questions,
+HumanEval's 164 problems, GSM8K's 1319 test questions and MATH-500's 500 problems (shipped with the package:
+``lightning_drafts/shipped/prompt_data/README.md`` gives their sources and licenses), or a user's own chat
+JSONL.
 
 A set is a list of :class:`Conversation`: the user turns of one request, in order. Turn ``k > 1`` is asked
 after the target's own answer to turn ``k - 1`` (:mod:`lightning_drafts.serving.conversation_prompts`), as
@@ -52,7 +53,28 @@ def _humaneval() -> list[Conversation]:
     ]
 
 
-PROMPT_SETS: dict[str, Callable[[], list[Conversation]]] = {"mt-bench": _mt_bench, "humaneval": _humaneval}
+def _gsm8k() -> list[Conversation]:
+    # The question alone: the reference solution and answer are not the user's turn.
+    return [
+        Conversation("gsm8k", "math", str(row["idx"]), (row["question"],))
+        for row in _shipped_rows("gsm8k.jsonl")
+    ]
+
+
+def _math_500() -> list[Conversation]:
+    # Per subject (algebra, geometry, ...): a few prompts then still cover every subject.
+    return [
+        Conversation("math-500", row["subject"], row["unique_id"], (row["problem"],))
+        for row in _shipped_rows("math500.jsonl")
+    ]
+
+
+PROMPT_SETS: dict[str, Callable[[], list[Conversation]]] = {
+    "mt-bench": _mt_bench,
+    "humaneval": _humaneval,
+    "gsm8k": _gsm8k,
+    "math-500": _math_500,
+}
 
 
 def is_text_prompt_file(path: str | Path) -> bool:
@@ -65,7 +87,8 @@ def is_text_prompt_file(path: str | Path) -> bool:
 
 
 def load_prompt_set(name_or_path: str | Path, limit: int | None = None) -> list[Conversation]:
-    """The conversations of a shipped set (``mt-bench``, ``humaneval``) or of a chat JSONL file.
+    """The conversations of a shipped set (``mt-bench``, ``humaneval``, ``gsm8k``, ``math-500``) or of a chat
+    JSONL file.
 
     A file row is ``{"turns": [user text, ...]}`` (MT-Bench's own format; ``category`` and ``question_id``
     are kept when present) or ``{"messages": [{"role", "content"}, ...]}``, whose user messages are the

@@ -9,6 +9,8 @@ rounds accept some drafted tokens and reject others."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,47 @@ def test_cli_evaluate_mt_bench_writes_the_table_and_the_card(export, tmp_path, c
     assert "| served `accept_len`, per-request mean (SpecForge) |" in card
     assert "the shipped `mt-bench` set" in card
     assert torch.tensor(report["prompts"][2]).numel() > torch.tensor(report["prompts"][0]).numel()
+
+
+@pytest.mark.parametrize(
+    ("name", "file", "text", "categories", "table"),
+    [
+        ("gsm8k", "gsm8k.jsonl", "question", ["math", "math"], [("math", 2)]),
+        # Round-robin over the subjects: the first problem of each of the first two subjects in the file.
+        (
+            "math-500",
+            "math500.jsonl",
+            "problem",
+            ["Precalculus", "Intermediate Algebra"],
+            [("Precalculus", 1), ("Intermediate Algebra", 1), ("all", 2)],
+        ),
+    ],
+)
+def test_cli_evaluate_serves_the_math_sets_questions(
+    export, tmp_path, tokenizer, name, file, text, categories, table
+):
+    out = tmp_path / "results"
+    main(
+        ["evaluate", str(export), f"--config={QUICKSTART}", "--prompts", name, "--num-prompts", "2"]
+        + ["--max-new-tokens", "2", "--no-card", "--out", str(out)]
+    )
+    report = json.loads((out / "served.json").read_text())
+    assert [r["category"] for r in report["requests"]] == categories
+    assert [(r["category"], r["requests"]) for r in report["table"]] == table
+    data = resources.files("lightning_drafts.shipped").joinpath("prompt_data", file).read_text()
+    rows = [json.loads(line) for line in data.splitlines()]
+    # The n-th request of a category is that category's n-th row of the file.
+    taken: Counter[str] = Counter()
+    expected = []
+    for category in categories:
+        expected.append(
+            [row[text] for row in rows if row.get("subject", "math") == category][taken[category]]
+        )
+        taken[category] += 1
+    # The chat-templated prompt holds the question as the user wrote it, and none of its solution.
+    for prompt, question in zip(report["prompts"], expected, strict=True):
+        rendered = tokenizer.decode(prompt)
+        assert question in rendered and "####" not in rendered and "\\boxed" not in rendered, rendered
 
 
 def test_cli_evaluate_samples_when_given_a_temperature(export, tmp_path, capsys):
