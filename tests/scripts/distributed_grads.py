@@ -18,6 +18,7 @@ gradients saved are the clipped ones the optimizer stepped with.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -213,7 +214,20 @@ def step_save_resume(out: Path, draft: str, strategy: str) -> None:
     second.save_checkpoint(out / f"{draft}-resumed.ckpt")
 
 
+def exit_after_the_last_collective() -> None:
+    """Leave a finished 2-rank script: both ranks past their last collective before either tears gloo down,
+    then out without the interpreter's teardown (every result is written by then), where gloo's threads
+    have aborted a finished FSDP2 process now and then ("terminate called without an active exception",
+    exit status -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     for name in DRAFTS:
         step_save_resume(Path(sys.argv[1]), name, sys.argv[2])
-    end_process_group()
+    exit_after_the_last_collective()

@@ -21,10 +21,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, Eagle3Module
-from lightning_drafts.cli.process_group import end_process_group
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.builders import TINY_TARGETS, packed_row, stack_rows
-from tests.scripts.distributed_grads import strategy_of, whole
+from tests.scripts.distributed_grads import exit_after_the_last_collective, strategy_of, whole
 
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 64}
 DRAFTS = {
@@ -107,4 +106,4 @@ def run(out: Path, draft: str, strategy: str) -> None:
 if __name__ == "__main__":
     for name in DRAFTS:
         run(Path(sys.argv[1]), name, sys.argv[2])
-    end_process_group()
+    exit_after_the_last_collective()
