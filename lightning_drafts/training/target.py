@@ -327,6 +327,11 @@ class FrozenTarget(nn.Module):
         return layer_kinds(self.text_config)
 
     @property
+    def has_linear_layers(self) -> bool:
+        """Whether any decoder layer is linear attention (a recurrent state no attention mask stops)."""
+        return any(kind.kind == LINEAR for kind in self.layer_kinds)
+
+    @property
     def input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
@@ -511,8 +516,7 @@ class FrozenTarget(nn.Module):
         """The mask of every layer kind the target has, each cut per document: one mask where all layers
         share a kind, else transformers' ``{layer type: mask}`` mapping (a single custom mask would replace
         the sliding windows and chunks of the layers that have them)."""
-        kinds = self.layer_kinds
-        if any(kind.kind == LINEAR for kind in kinds):
+        if self.has_linear_layers:
             raise ValueError(
                 f"the target's linear-attention layers carry their state across packed documents under "
                 f"attn_backend={backend!r}; run it with attn_backend='sdpa' on the CPU, which runs each "
@@ -523,7 +527,7 @@ class FrozenTarget(nn.Module):
                 "the target's attention sinks do not run in flex attention on the CPU (attn_backend='flex'); "
                 "run it with attn_backend='eager' on the CPU"
             )
-        masks = {kind.kind: self._kind_mask(kind, packed, backend) for kind in kinds}
+        masks = {kind.kind: self._kind_mask(kind, packed, backend) for kind in self.layer_kinds}
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _has_attention_sinks(self) -> bool:
@@ -558,7 +562,7 @@ class FrozenTarget(nn.Module):
                 "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
                 "with attn_backend='flex' on CUDA"
             )
-        if any(kind.kind == LINEAR for kind in self.layer_kinds):
+        if self.has_linear_layers:
             raise ValueError(
                 "the target's linear-attention layers are not checked to restart at each document under "
                 "attn_backend='flash'; run it with attn_backend='sdpa' on the CPU, which runs each document alone"
@@ -580,7 +584,7 @@ class FrozenTarget(nn.Module):
             try:
                 self.model.set_attn_implementation(HF_ATTENTION[backend])
             except ValueError:
-                other = "sdpa" if any(kind.kind == LINEAR for kind in self.layer_kinds) else "eager"
+                other = "sdpa" if self.has_linear_layers else "eager"
                 raise ValueError(
                     f"transformers runs {type(self.model).__name__} without {HF_ATTENTION[backend]!r} attention, "
                     f"which attn_backend={backend!r} needs; run the target with attn_backend={other!r}"
@@ -612,7 +616,7 @@ class FrozenTarget(nn.Module):
         spans = tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
         self.model.set_attn_implementation(DOCUMENT_ATTENTION)
         try:
-            if spans and any(kind.kind == LINEAR for kind in self.layer_kinds):
+            if spans and self.has_linear_layers:
                 hidden = self._each_document_alone(packed, layout.token_index, spans, captured)
             else:
                 hidden = self._documents_in_one_row(packed, layout.token_index, spans)
