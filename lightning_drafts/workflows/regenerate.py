@@ -289,6 +289,10 @@ def regenerate(
             **(provenance or {}),
         }
         done, counts = _start(output, meta_path, settings, resume, overwrite)
+        if not done:
+            # The metadata comes before the output's first row: a run killed while its first batch
+            # decodes leaves an empty output that a resume can vouch for.
+            _write_metadata(meta_path, settings, counts, next_batch=0, finished=False)
         tokenizer, template = datamodule.tokenizer, datamodule.chat_template
         if options.thinking in ("on", "both") and "enable_thinking" not in template:
             raise ValueError(

@@ -186,6 +186,18 @@ def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_row
     )
     assert stopped_at > 0 and any(re.fullmatch(resumed, r.getMessage()) for r in caplog.records)
 
+    # Killed while its first batch decodes: nothing written yet, and the resume starts from the beginning.
+    def dies_at_once(requests, sampling):
+        raise KeyboardInterrupt
+
+    early = tmp_path / "early.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(datamodule, dies_at_once, early, OPTIONS, progress=False)
+    assert early.read_text() == "" and json.loads(metadata_path(early).read_text())["next_batch"] == 0
+    with pytest.warns(UserWarning):
+        regenerate(datamodule, engine(target, datamodule), early, OPTIONS, resume=True, progress=False)
+    assert early.read_text() == whole.read_text()
+
     for worker in range(2):
         regenerate(
             datamodule, engine(target, datamodule), shard_path(tmp_path / "split.jsonl", worker, 2), OPTIONS,
