@@ -8,7 +8,9 @@ Examples::
 
 Writes ``loss.png`` (``train/loss``, ``val/loss``), ``accept_len.png`` (``val/accept_len``, and
 ``val/served_accept_len`` when logged), ``acceptance_by_position.png`` (``val/acc_pos{k}`` over steps) and
-``summary.png`` (the three side by side).
+``summary.png`` (the three side by side); with ``train/tokens_seen`` logged (``ThroughputCallback``), also
+``accept_len_by_tokens.png``: the acceptance length against the real tokens trained on, the axis on which
+runs of different batch and world sizes compare.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from lightning_drafts.cli.command_parser import CommandParser
 
 Series = list[tuple[int, float]]
@@ -25,6 +29,7 @@ Series = list[tuple[int, float]]
 LOSS_TAGS = ("train/loss", "val/loss")
 ACCEPT_TAGS = ("val/accept_len", "val/served_accept_len")
 POSITION_TAG = re.compile(r"val/acc_pos(\d+)$")
+TOKENS_TAG = "train/tokens_seen"
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,20 @@ class RunCurves:
     loss: dict[str, Series]
     accept_len: dict[str, Series]
     by_position: dict[int, Series]
+    tokens_seen: Series
+
+    def accept_len_by_tokens(self) -> dict[str, Series]:
+        """Each acceptance-length point at the tokens trained on by its step: ``tokens_seen`` is logged
+        every ``log_every_n_steps`` and grows by about one batch per step, so a validation step between two
+        logged steps is placed on the straight line between them (beyond the last one, at the last one)."""
+        if not self.tokens_seen:
+            return {}
+        steps = [float(step) for step, _ in self.tokens_seen]
+        tokens = [value for _, value in self.tokens_seen]
+        return {
+            tag: [(round(float(np.interp(step, steps, tokens))), value) for step, value in points]
+            for tag, points in self.accept_len.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ def read_curves(run_dir: str | Path) -> RunCurves:
         loss={tag: series(tag) for tag in LOSS_TAGS if tag in tags},
         accept_len={tag: series(tag) for tag in ACCEPT_TAGS if tag in tags},
         by_position=dict(sorted(by_position.items())),
+        tokens_seen=series(TOKENS_TAG) if TOKENS_TAG in tags else [],
     )
     if not curves.loss and not curves.accept_len:
         raise ValueError(
@@ -102,7 +122,7 @@ def _pyplot():
     return plt
 
 
-def _draw(axes, curves: dict, title: str, ylabel: str, label=str) -> None:
+def _draw(axes, curves: dict, title: str, ylabel: str, label=str, xlabel: str = "step") -> None:
     for key, points in curves.items():
         axes.plot(
             [s for s, _ in points],
@@ -111,7 +131,7 @@ def _draw(axes, curves: dict, title: str, ylabel: str, label=str) -> None:
             label=label(key),
         )
     axes.set_title(title)
-    axes.set_xlabel("step")
+    axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     if curves:
@@ -134,8 +154,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path, title: str | None = None)
             ),
         ),
     ]
+    by_tokens = curves.accept_len_by_tokens()
+    alone = [] if not by_tokens else [(
+        "accept_len_by_tokens",
+        lambda ax: _draw(ax, by_tokens, "acceptance length", "tokens per round", xlabel="real tokens trained on"),
+    )]  # fmt: skip
     files = []
-    for name, draw in panels:
+    for name, draw in panels + alone:
         figure, axes = plt.subplots(figsize=(5, 3.5), layout="constrained")
         draw(axes)
         files.append(out_dir / f"{name}.png")

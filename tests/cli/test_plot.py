@@ -62,6 +62,20 @@ def test_plot_draws_the_event_files_scalars_into_png_files(tmp_path):
     assert curves.by_position == {k: series(v) for k, v in BY_POSITION.items()}
 
 
+def test_a_run_that_logs_tokens_seen_gets_accept_len_by_tokens(tmp_path):
+    run = write_run(tmp_path / "run")
+    writer = SummaryWriter(str(run))
+    for step in LOSS:  # 1,000 real tokens per step, logged at the training steps only
+        writer.add_scalar("train/tokens_seen", 1000.0 * (step + 1), step)
+    writer.close()
+    plots = plot_run(run, tmp_path / "plots")
+    assert png_size(tmp_path / "plots" / "accept_len_by_tokens.png")[0] > 100
+    # Validation steps 9 and 19 fall between logged steps: placed on the line, 1,000 tokens per step.
+    by_tokens = plots.curves.accept_len_by_tokens()
+    assert by_tokens == {"val/accept_len": [(10000, pytest.approx(1.11)), (20000, pytest.approx(1.47))]}
+    assert read_curves(write_run(tmp_path / "without")).accept_len_by_tokens() == {}
+
+
 def test_the_cli_takes_the_newest_version_under_a_run_directory(tmp_path, capsys):
     write_run(tmp_path / "eagle3" / "version_0", scale=2.0)
     write_run(tmp_path / "eagle3" / "version_10")  # newer than version_2 by number, not by name

@@ -63,6 +63,23 @@ def test_training_logs_loss_and_acceptance_to_tensorboard(tmp_path):
     # Each row holds 12 real tokens in 16 slots.
     assert all(e.value == 0.25 for e in events.Scalars("train/padding_fraction"))
     assert all(e.value > 0 for e in events.Scalars("train/real_tokens_per_s"))
+    assert [(e.step, e.value) for e in events.Scalars("train/tokens_seen")] == [
+        (s, 12.0 * (s + 1)) for s in range(6)
+    ]
+
+
+def test_tokens_seen_counts_on_after_a_resume(tmp_path):
+    module = NextTokenProbe(TINY_TARGETS["llama"])
+    fit = trainer(tmp_path, logger=False, max_steps=3, callbacks=[ThroughputCallback()])
+    fit.fit(module, loader())
+    path = tmp_path / "draft.ckpt"
+    fit.save_checkpoint(path)
+    again = trainer(tmp_path, max_steps=5, callbacks=[ThroughputCallback()])
+    again.fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=path)
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    events.Reload()
+    # 12 real tokens per row, one row per step: steps 3 and 4 of the resumed run end at 48 and 60.
+    assert [(e.step, e.value) for e in events.Scalars("train/tokens_seen")] == [(3, 48.0), (4, 60.0)]
 
 
 def test_checkpoint_holds_only_the_draft_and_resumes(tmp_path):
