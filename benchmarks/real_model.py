@@ -39,6 +39,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from lightning_drafts.cli.plot import read_curves
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "lightning_drafts"]
 FAMILIES = ("eagle3", "dflash", "dflash2", "dspark")
@@ -254,20 +256,65 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(work: Path, families: list[str], stages: dict, engine: str) -> None:
-    """``results.json`` (every family's served report and the stages) and ``results.md`` (their tables)."""
-    results = {"engine": engine, "stages": stages, "families": {}}
+    """``results.json`` and ``results.md``: the served report of every family served in ``work`` (this run's
+    ``families`` and those of earlier runs there, each with its own fit options), each family's validation
+    acceptance length by real tokens trained on, and the stages; ``accept_len_by_tokens.png`` with those
+    curves when matplotlib is installed."""
+    served_families = [
+        f for f in FAMILIES if f in families or (work / f"{f}-served" / "served.json").exists()
+    ]
+    results = {"engine": engine, "stages": stages, "families": {}, "curves": {}}
     lines = [f"# {work.name}: served on {engine}", ""]
-    for family in families:
+    for family in served_families:
         served = work / f"{family}-served"
         results["families"][family] = json.loads((served / "served.json").read_text())
+        curve = validation_curve(work / "runs" / f"real-{family}" / "version_0")
+        results["curves"][family] = curve
         lines += [f"## {family}", "", (served / "served.md").read_text().strip(), ""]
+        lines += ["| step | real tokens trained on | val/accept_len |", "|---:|---:|---:|"]
+        lines += [f"| {step} | {tokens:,} | {value:.3f} |" for step, tokens, value in curve] + [""]
     lines += ["## Stages", "", "| stage | wall s | load before | load after |", "|---|---:|---|---|"]
     lines += [
         f"| {name} | {s['wall_s']} | {s['load_before']} | {s['load_after']} |" for name, s in stages.items()
     ]
     (work / "results.json").write_text(json.dumps(results, indent=2))
     (work / "results.md").write_text("\n".join(lines) + "\n")
+    plot_curves(results["curves"], work / "accept_len_by_tokens.png")
     print((work / "results.md").read_text(), flush=True)
+
+
+def validation_curve(run: Path) -> list[tuple[int, int, float]]:
+    """``(step, real tokens trained on, val/accept_len)`` at each validation of a fit's TensorBoard run (its
+    config's ``ThroughputCallback`` logs the tokens)."""
+    curves = read_curves(run)
+    if not curves.tokens_seen:
+        raise SystemExit(
+            f"real_model: {run} logs no train/tokens_seen; keep ThroughputCallback in the config"
+        )
+    tokens = curves.accept_len_by_tokens().get("val/accept_len", [])
+    return [
+        (step, count, value)
+        for (step, value), (count, _) in zip(curves.accept_len["val/accept_len"], tokens, strict=True)
+    ]
+
+
+def plot_curves(curves: dict[str, list], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.8), layout="constrained")
+    for family, curve in curves.items():
+        axes.plot([t for _, t, _ in curve], [v for _, _, v in curve], marker="o", label=family)
+    axes.set_xlabel("real tokens trained on")
+    axes.set_ylabel("val/accept_len (tokens per round)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

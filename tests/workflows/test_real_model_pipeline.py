@@ -53,7 +53,7 @@ def pipeline(work: Path, gguf: Path, sharegpt: Path, steps: int) -> subprocess.C
         "--num-prompts", "2", "--serve-tokens", "6", "--engine", "builtin", "--capture",
         "--fit-args", "--data.init_args.max_tokens=128", "--model.init_args.draft_vocab_size=1024",
         "--trainer.num_sanity_val_steps=0",
-        "--trainer.limit_val_batches=1",
+        "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
@@ -111,3 +111,10 @@ def test_the_pipeline_runs_every_stage_reports_mt_bench_and_resumes(tiny_gguf, t
     )
     last = work / "runs" / "real-eagle3" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 5
+    # The report's curve: a validation after every step (val_every = steps // 4, at least 1), placed at the
+    # real tokens trained on, which grow by at most one batch (2 rows of 128 tokens) a step.
+    curve = json.loads((work / "results.json").read_text())["curves"]["eagle3"]
+    assert [step for step, _, _ in curve] == [0, 1, 2, 3, 4], curve
+    tokens = [count for _, count, _ in curve]
+    assert 0 < tokens[0] <= 256 and all(0 < b - a <= 256 for a, b in zip(tokens, tokens[1:], strict=False))
+    assert (work / "accept_len_by_tokens.png").read_bytes()[:4] == b"\x89PNG"
