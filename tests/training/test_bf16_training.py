@@ -58,7 +58,17 @@ def norm_gains(deltas: dict[str, torch.Tensor]) -> list[str]:
 
 
 def relative_error(delta: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((delta - reference).abs().max() / reference.abs().max())
+    """The whole update's L2 error relative to the float32 run's update. Not elementwise: AdamW's step is
+    close to lr times the gradient's sign, so an element whose gradient sits within bf16's rounding
+    (2**-8 relative) of zero can step the other way, and one such element makes a max-elementwise error of
+    order 1 (0.24 was seen on a norm gain under the default CPU kernels)."""
+    return float((delta - reference).norm() / reference.norm())
+
+
+# The two failures this tells apart from following: a weight that did not move has relative error 1, one
+# moved in an unrelated direction about sqrt(2). Following the float32 run leaves only the elements whose
+# gradients are within bf16 noise of zero off, measured 0.001-0.08 with the AVX-512 and default kernels.
+FOLLOWS = 0.25
 
 
 def test_bf16_mixed_moves_the_norm_gains_and_follows_the_float32_trajectory(runs):
@@ -68,11 +78,8 @@ def test_bf16_mixed_moves_the_norm_gains_and_follows_the_float32_trajectory(runs
     assert len(gains) == 4 and all(dtypes[name] == torch.float32 for name in reference)
     for name in gains:
         assert reference[name].abs().min() > 0, name
-        # Measured: within 1.3% of the float32 run's largest change (2 CPU cores, 10 steps).
-        assert relative_error(mixed[name], reference[name]) < 0.05, name
     for name, delta in reference.items():
-        # Matrices of ~0.016: bf16 compute noise in their gradients, measured within 14%.
-        assert relative_error(mixed[name], delta) < 0.25, name
+        assert relative_error(mixed[name], delta) < FOLLOWS, name
 
 
 def test_bf16_true_with_plain_adamw_never_moves_the_norm_gains(runs):
