@@ -84,6 +84,14 @@ def served_target(target: Any) -> str:
     return TARGET_PLACEHOLDER
 
 
+def shown_name(target: str) -> str:
+    """A target or data file as the card names it: a file or folder of this machine by its name alone (the
+    card is read on other machines and on the hub), anything else as given."""
+    if is_local_target(target) and not target.startswith(SHIPPED_PREFIX):
+        return Path(target).name
+    return target
+
+
 def converted_folder(gguf_file: str) -> str:
     """Where the card tells the user to convert a GGUF target (``model.gguf`` -> ``model-hf``): the engines'
     speculative decoding loads the target from a Hugging Face folder."""
@@ -126,11 +134,11 @@ def render_card(
 ) -> str:
     """The card's Markdown for ``module``'s export (``config`` is its ``config.json``)."""
     target = module.hparams.get("target")
-    target_name = target if isinstance(target, str) else None
+    target_name = shown_name(target) if isinstance(target, str) else None
     architecture = config["architectures"][0]
     tags = ["speculative-decoding", family_tag(module)]
     front = {"library_name": LIBRARY_NAME, "tags": tags}
-    if target_name is not None:
+    if target_name == target:  # a hub id (or a shipped target's name): a file or folder names no base model
         front = {"base_model": target_name, **front}
     num_steps = family.default_num_steps(dict(config))
     # The export by its folder's name: the commands run from the directory that holds it.
@@ -198,7 +206,7 @@ def _training_lines(training: TrainingFacts | None) -> list[str]:
     data = (
         "the embedded chitchat-dataset corpus"
         if training.data_files == []
-        else ", ".join(f"`{f}`" for f in training.data_files)
+        else ", ".join(f"`{shown_name(f)}`" for f in training.data_files)
         if training.data_files
         else "not recorded (no config.yaml beside the checkpoint's directory)"
     )

@@ -121,9 +121,13 @@ def test_a_cards_serve_commands_carry_no_path_of_the_training_machine(kind, tmp_
     module.hparams["target"] = target
     family = REGISTRY.for_module(module)
     export = family.export(module, tmp_path / "exports" / "draft")
-    # The serve section (commands and the lines explaining them); base_model records the target as given.
-    text = (export / CARD_FILE).read_text().split("## Serve it", 1)[1].split("## Served acceptance", 1)[0]
-    assert str(tmp_path) not in text and str(ROOT) not in text
+    # No path of this machine anywhere in the card; base_model names a hub id (or a shipped target) only.
+    card = (export / CARD_FILE).read_text()
+    assert str(tmp_path) not in card and str(ROOT) not in card
+    assert read_card(export)[0].get("base_model") == (target if kind in ("a hub id", "shipped") else None)
+    named = {"a local folder": "llama-8b", "a GGUF file": "llama-8b.gguf"}.get(kind, target)
+    assert f"against the frozen target `{named}`" in card
+    text = card.split("## Serve it", 1)[1].split("## Served acceptance", 1)[0]
     served = commands(read_card(export)[1])
     served_target = {
         "a local folder": "TARGET_DIR",

@@ -5,19 +5,23 @@ of this machine is measured or asserted."""
 from __future__ import annotations
 
 import logging
+import os
 
 import lightning as L
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_drafts.callbacks import SlowStepsNotice
+from lightning_drafts.callbacks.slow_steps import machine_load
 
 RANK_ZERO = "lightning.pytorch.utilities.rank_zero"
 
 
-def notices(caplog, expected: float, readings: list[float], max_steps: int = 30) -> list[str]:
+def notices(
+    caplog, expected: float | None, readings: list[float], max_steps: int = 30, load=(1.0, 2)
+) -> list[str]:
     clock = iter(readings)
-    notice = SlowStepsNotice(expected, steps=10, fraction=0.5, clock=lambda: next(clock))
+    notice = SlowStepsNotice(expected, steps=10, fraction=0.5, clock=lambda: next(clock), load=lambda: load)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
@@ -47,6 +51,15 @@ def test_a_run_at_more_than_half_the_expected_rate_says_nothing(caplog):
     assert notices(caplog, expected=0.9, readings=[100.0, 120.0]) == []
 
 
+def test_without_an_expected_rate_a_load_above_twice_the_cores_is_said_once(caplog):
+    # 10 steps in 20 s, load average 5.2 on 2 usable cores: over 2 / 0.5 = 4.
+    (line,) = notices(caplog, expected=None, readings=[100.0, 120.0], load=(5.2, 2))
+    assert line.startswith("training runs at 0.5 steps/s on a loaded machine (load average 5.2 on 2 usable")
+    assert "OMP_NUM_THREADS" in line and "OMP_WAIT_POLICY=PASSIVE" in line and "\n" not in line
+    # 3.9 is under 4: the second run adds nothing to what was logged.
+    assert notices(caplog, expected=None, readings=[100.0, 120.0], load=(3.9, 2)) == [line]
+
+
 @pytest.mark.parametrize(
     ("arguments", "refused"),
     [
@@ -58,3 +71,8 @@ def test_a_run_at_more_than_half_the_expected_rate_says_nothing(caplog):
 def test_settings_that_measure_nothing_are_refused(arguments, refused):
     with pytest.raises(ValueError, match=refused):
         SlowStepsNotice(**arguments)
+
+
+def test_the_machine_load_is_a_load_average_and_the_usable_cores():
+    average, cores = machine_load()
+    assert average >= 0.0 and 1 <= cores <= os.cpu_count()
