@@ -110,8 +110,10 @@ def evaluate_family_export(
             turn); how many prompts were cut is logged as a warning. A prompt whose decode would pass the
             target's ``max_position_embeddings`` is refused before any decode.
         sampling: sample (temperature, top-p) instead of greedy decoding, with speculative sampling's
-            acceptance rule (:mod:`lightning_drafts.serving.sampling`); the built-in engine only. Request
-            ``i`` of a turn draws from a generator seeded ``seed + i`` (with the draft and without alike).
+            acceptance rule (:mod:`lightning_drafts.serving.sampling`; vLLM's rejection sampler with
+            ``engine="vllm"``). Request ``i`` of a turn draws from a generator seeded ``seed + i`` (with the
+            draft and without alike; vLLM's per-request generator there, so the two engines draw different
+            numbers and agree in distribution).
         topk, num_draft_tokens: draft SGLang's token trees (``--speculative-eagle-topk``,
             ``--speculative-num-draft-tokens``; ``num_steps`` is their depth), verified in the built-in
             engine (:mod:`lightning_drafts.serving.draft_tree`), greedy or sampled; both or neither.
@@ -122,8 +124,6 @@ def evaluate_family_export(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not prompts:
         raise ValueError("no prompts to evaluate on; pass at least one token-id prompt")
-    if sampling is not None and engine != "builtin":
-        raise ValueError("sampling runs in the built-in decode only; drop engine='vllm' or the sampling")
     if sampling is not None and check_lossless:
         raise ValueError(
             "a sampled decode matches the target's distribution, not its tokens: drop check_lossless or the "
@@ -185,6 +185,8 @@ def evaluate_family_export(
                 progress,
                 baseline,
                 ngram,
+                sampling,
+                seed,
             )
         return _serve_builtin(
             frozen,
@@ -368,6 +370,8 @@ def _serve_vllm(
     progress: bool,
     baseline: bool,
     ngram: bool,
+    sampling: Sampling | None,
+    seed: int,
 ) -> _Phase:
     """One vLLM engine per mode (the export drafting; the target alone; the n-gram speculator), one after
     another in one vLLM process, each generating the prompts of one (prompt set, category) group at a
@@ -390,6 +394,8 @@ def _serve_vllm(
         progress=progress,
         modes=modes,
         groups=groups,
+        sampling=sampling,
+        seed=seed,
     )
     seconds = {mode: dict(zip(keys, r.seconds["groups"], strict=True)) for mode, r in results.items()}
     info = results["draft"].engine_info()

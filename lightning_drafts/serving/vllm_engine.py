@@ -40,7 +40,8 @@ class VLLMRunError(RuntimeError):
 
 @dataclass(frozen=True)
 class VLLMRequest:
-    """What one vLLM engine serves: ``prompts`` (token ids) decoded greedily by ``target``, drafted by the
+    """What one vLLM engine serves: ``prompts`` (token ids) decoded by ``target``, greedily, or sampled at
+    ``temperature`` > 0 (nucleus ``top_p``) from one generator per prompt seeded ``seeds[i]``; drafted by the
     export in ``draft`` with vLLM's speculative ``method`` (``None`` draft: the target alone, unless
     ``method`` is ``"ngram"``: vLLM's n-gram speculator). ``groups`` (lists of prompt indices) are generated
     and timed one after another (default: all prompts at once), after a short untimed call with
@@ -58,6 +59,9 @@ class VLLMRequest:
     max_model_len: int | None = None
     groups: Sequence[Sequence[int]] | None = None
     warmup: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seeds: Sequence[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The runner's request (field for field, the names its docstring lists)."""
@@ -66,6 +70,7 @@ class VLLMRequest:
             "prompts": [[int(t) for t in p] for p in self.prompts],
             "stop_token_ids": [int(t) for t in self.stop_token_ids],
             "groups": None if self.groups is None else [[int(i) for i in g] for g in self.groups],
+            "seeds": None if self.seeds is None else [int(s) for s in self.seeds],
         }
 
 

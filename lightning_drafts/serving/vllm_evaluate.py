@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_drafts.serving.family import DraftFamily
+from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.vllm_engine import VLLMRequest, VLLMResult, run_vllm_all
 from lightning_drafts.training.target import FrozenTarget, TargetSpec
 
@@ -52,8 +53,10 @@ def serve_with_vllm(
     progress: bool = False,
     modes: Sequence[str] = ("draft",),
     groups: Sequence[Sequence[int]] | None = None,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> dict[str, VLLMResult]:
-    """Greedy speculative decoding of ``prompts`` by vLLM from the export in ``export_dir``: per mode, what
+    """Speculative decoding of ``prompts`` by vLLM, greedy or with ``sampling`` from the export in ``export_dir``: per mode, what
     vLLM generated, with its rounds (``as_generations()`` gives them as the built-in decode reports them).
 
     Args:
@@ -67,6 +70,8 @@ def serve_with_vllm(
             ``"target"`` (the target alone, no speculation), ``"ngram"`` (vLLM's n-gram speculator drafts
             ``num_steps`` tokens from the prompt).
         groups: prompt indices generated and timed together (``VLLMRequest.groups``).
+        sampling: temperature and top-p (``None``: greedy); prompt ``i`` draws from vLLM's per-request
+            generator seeded ``seed + i``, as the built-in decode seeds its own.
     """
     unknown = [mode for mode in modes if mode not in VLLM_MODES]
     if unknown:
@@ -92,6 +97,15 @@ def serve_with_vllm(
                 groups=groups,
                 # Timed groups: the engine's first-call compilation stays out of tokens/s.
                 warmup=groups is not None,
+                **(
+                    {}
+                    if sampling is None
+                    else {
+                        "temperature": sampling.temperature,
+                        "top_p": sampling.top_p,
+                        "seeds": [seed + i for i in range(len(prompts))],
+                    }
+                ),
             )
             for mode in modes
         ]

@@ -158,7 +158,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(**_engine_arguments(request))
     loaded = time.perf_counter()
-    prompts, parameters = _token_prompts(request), _call_parameters(request)  # greedy: no temperature
+    prompts, parameters = _token_prompts(request), _call_parameters(request)
     speculative = request.get("draft") is not None or request.get("method") == NGRAM
     warmed = (0, [])
     if request.get("warmup") and prompts:
