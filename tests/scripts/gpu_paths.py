@@ -23,23 +23,27 @@ Checks, in the order they run:
 3. the fused target (flash-attn varlen where installed, else flex) == the SDPA target in bf16 for a Llama, a
    Qwen3 and a DeepSeek-V3 target: every captured layer and the final-norm state, at real tokens, within a
    bound a one-document leak exceeds (on a CPU: the flex target);
-4. ``bf16-mixed`` vs float32 over 20 optimizer steps through Lightning (EAGLE-3 and DFlash): the loss
+4. targets with other layer kinds (Gemma 3 and Mistral sliding windows, Llama 4 chunks, gpt-oss windows
+   with attention sinks), packed: flex (one block mask per layer kind) and flash-attn varlen (where
+   installed) == eager attention with the same per-document masks in bf16, every captured layer and the
+   final state within the bound of check 3; gpt-oss refused by flash-attn varlen, and by flex on a CPU;
+5. ``bf16-mixed`` vs float32 over 20 optimizer steps through Lightning (EAGLE-3 and DFlash): the loss
    stays close and every trainable weight moved, the RMSNorm gains included;
-5. a 1-GPU ``fit`` with ``FSDPStrategy`` (FSDP1, bf16-mixed, clipping by norm) and with
+6. a 1-GPU ``fit`` with ``FSDPStrategy`` (FSDP1, bf16-mixed, clipping by norm) and with
    ``ModelParallelStrategy`` (FSDP2, ``shard_target``): a few steps, the drafts' rope tables still float32,
    a checkpoint without target weights, and a resumed run (CUDA only);
-6. flex == SDPA at the kernel: the drafts' compiled entry points (with and without the log-sum-exp) on a
+7. flex == SDPA at the kernel: the drafts' compiled entry points (with and without the log-sum-exp) on a
    packed multi-document mask over 2,048 tokens, outputs, log-sum-exp and gradients (CPU: forward only,
    no log-sum-exp: CPU inductor compiles neither);
-7. packed == padded under flex for every draft over rows of 2,048 tokens (multi-block masks, partial
+8. packed == padded under flex for every draft over rows of 2,048 tokens (multi-block masks, partial
    blocks at document edges, DFlash's sliding-window block mask): loss, every draft gradient, the
    chains (CPU: loss and chains);
-8. flex == SDPA for every draft on the same packed batch (loss and chains);
-9. EAGLE-3 / MLA-EAGLE-3 at live TTT slots only == every slot at every step, under flex;
-10. real shapes: a Llama-3.1-8B-wide target (hidden 4,096, 32 / 8 heads of 128, a 128,256-id vocabulary,
+9. flex == SDPA for every draft on the same packed batch (loss and chains);
+10. EAGLE-3 / MLA-EAGLE-3 at live TTT slots only == every slot at every step, under flex;
+11. real shapes: a Llama-3.1-8B-wide target (hidden 4,096, 32 / 8 heads of 128, a 128,256-id vocabulary,
     8 layers) in bf16 and one ``bf16-mixed`` training micro-batch of EAGLE-3 and of DFlash over a packed
     8,192-token row under flex: finite loss and gradients, the step's seconds and peak memory (CUDA only);
-11. ``benchmarks/throughput.py --device cuda``: packed vs padded tokens per second and peak memory
+12. ``benchmarks/throughput.py --device cuda``: packed vs padded tokens per second and peak memory
     (CUDA only).
 
 The exit code is the number of failed checks.
@@ -93,6 +97,7 @@ from lightning_drafts.training.target import ROPE_TABLES, FrozenTarget  # noqa: 
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, perturb, to_padded, twins  # noqa: E402
 from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows  # noqa: E402
 from tests.eagle3_checks import frequencies  # noqa: E402
+from tests.target_matrix import config as matrix_config  # noqa: E402
 
 EAGLE3 = {"eagle3": (Eagle3Module, "llama"), "mla_eagle3": (MLAEagle3Module, "deepseek_v3")}
 BLOCK_DRAFTS = {
@@ -394,6 +399,73 @@ def check_fused_target_equals_sdpa(run: Run) -> None:
         assert max(gaps) < STATE_GAP_BOUND, f"{family}: {backend} vs sdpa state gaps {gaps}"
 
 
+# Targets whose layers attend in other patterns than full causal attention, each as its own transformers
+# config class: sliding windows (Gemma 3 alternating, Mistral on every layer), Llama 4's chunks, gpt-oss's
+# windows with attention sinks.
+LAYER_KIND_TARGETS = ("gemma3", "mistral", "llama4", "gpt_oss")
+
+
+def layer_kind_target(architecture: str, window: int) -> dict:
+    """The target matrix's tiny ``architecture`` with heads CUDA flex runs, room for 4,096 positions, and a
+    window (or chunk) of ``window`` tokens."""
+    config = {**matrix_config(architecture), "head_dim": 16}
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], 4096)
+    for key in ("sliding_window", "attention_chunk_size"):
+        if key in config:
+            config[key] = window
+    return config
+
+
+def check_layer_kind_targets_equal_eager(run: Run) -> None:
+    """Windows, chunks and sinks, packed: the fused target paths (flex with one block mask per layer kind,
+    flash-attn varlen with transformers' window per layer) against eager attention with the same per-document
+    masks, in bf16, every captured layer and the final state at real tokens. gpt-oss's sinks run in flex on
+    CUDA only and are refused by flash-attn varlen (checked by its message); on a CPU flex runs the others."""
+    window = 4 if run.quick else 256
+    lengths = [7, 5, 9, 11] if run.quick else [700, 517, 303, 528]
+    width = 40 if run.quick else 2048
+    rows = [
+        packed_row(random_docs(lengths, seed=1), width),
+        packed_row(random_docs([lengths[0] + lengths[1], 3], seed=2), width),
+    ]
+    batch = validate_batch(on(stack_rows(rows), run.device))
+    real = batch.attention_mask.bool()
+    fused = (["flash"] if run.cuda and flash_attn_available() else []) + ["flex"]
+    for architecture in LAYER_KIND_TARGETS:
+        # One target per fit in production: its mask kinds' compiled variants, not four targets' together,
+        # are what must stay inside dynamo's recompile limit.
+        torch._dynamo.reset()
+        config = layer_kind_target(architecture, window)
+        reference = FrozenTarget(config, attn_backend="eager", dtype="bfloat16").to(run.device)(
+            batch, [0, 1, 2]
+        )
+        expected = [
+            *(h[real].float() for h in reference.hidden_states),
+            reference.last_hidden_state[real].float(),
+        ]
+        for backend in fused:
+            target = FrozenTarget(config, attn_backend=backend, dtype="bfloat16").to(run.device)
+            refusal = {
+                ("gpt_oss", "flash"): "attention sinks are dropped by flash-attn varlen",
+                ("gpt_oss", "flex"): None
+                if run.cuda
+                else "attention sinks do not run in flex attention on the CPU",
+            }.get((architecture, backend))
+            if refusal is not None:
+                try:
+                    target(batch, [0, 1, 2])
+                except ValueError as error:
+                    assert refusal in str(error), f"{architecture} on {backend}: {error}"
+                    run.numbers[f"{architecture}/{backend}"] = "refused"
+                    continue
+                raise AssertionError(f"{architecture} on {backend} ran; it must be refused ({refusal})")
+            out = target(batch, [0, 1, 2])
+            states = [*(h[real].float() for h in out.hidden_states), out.last_hidden_state[real].float()]
+            gaps = [state_gap(f, r) for f, r in zip(states, expected, strict=True)]
+            run.numbers[f"{architecture}/{backend}"] = gaps
+            assert max(gaps) < STATE_GAP_BOUND, f"{architecture}: {backend} vs eager state gaps {gaps}"
+
+
 def fit_updates(module: L.LightningModule, loader, precision: str, run: Run, steps: int):
     before = {n: p.detach().float().clone() for n, p in module.named_parameters() if p.requires_grad}
     losses = LossTrace()
@@ -587,6 +659,7 @@ CHECKS: list[Callable[[Run], None]] = [
     check_auto_resolves_as_documented,
     check_rope_tables_stay_float32,
     check_fused_target_equals_sdpa,
+    check_layer_kind_targets_equal_eager,
     check_bf16_mixed_follows_float32,
     check_one_gpu_fit_with_fsdp1_and_fsdp2,
     check_flex_kernel_equals_sdpa,
@@ -602,6 +675,7 @@ CHECK_TIMEOUT_S = {
     "auto_resolves_as_documented": 60,
     "rope_tables_stay_float32": 60,
     "fused_target_equals_sdpa": 120,
+    "layer_kind_targets_equal_eager": 150,
     "bf16_mixed_follows_float32": 120,
     "one_gpu_fit_with_fsdp1_and_fsdp2": 150,
     "flex_kernel_equals_sdpa": 120,
