@@ -7,6 +7,7 @@ resumes from its last checkpoint instead of starting over."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from lightning_drafts.datamodules.embedded import embedded_corpus_rows
 from tests.hang_guard import HANG_GUARD_S
@@ -118,3 +120,27 @@ def test_the_pipeline_runs_every_stage_reports_mt_bench_and_resumes(tiny_gguf, t
     tokens = [count for _, count, _ in curve]
     assert 0 < tokens[0] <= 256 and all(0 < b - a <= 256 for a, b in zip(tokens, tokens[1:], strict=False))
     assert (work / "accept_len_by_tokens.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_covers_every_family_served_in_the_work_directory(tmp_path):
+    """A family served by an earlier run in the same work directory (each family's own fit options) is
+    reported beside this run's, each with its validation curve at the real tokens it trained on."""
+    spec = importlib.util.spec_from_file_location("real_model", SCRIPT)
+    real_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_model)
+    for family, values in (("eagle3", [1.125, 1.25]), ("dflash", [1.0625, 1.375]))  # float32-exact:
+        (tmp_path / f"{family}-served").mkdir()
+        (tmp_path / f"{family}-served" / "served.json").write_text(json.dumps({"family": family}))
+        (tmp_path / f"{family}-served" / "served.md").write_text(f"| {family} table |")
+        writer = SummaryWriter(str(tmp_path / "runs" / f"real-{family}" / "version_0"))
+        for step in (9, 19):  # 500 real tokens a step
+            writer.add_scalar("train/tokens_seen", 500.0 * (step + 1), step)
+        for step, value in zip((9, 19), values, strict=True):
+            writer.add_scalar("val/accept_len", value, step)
+        writer.close()
+    real_model.report(tmp_path, ["eagle3"], {}, "vllm")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["families"]) == ["eagle3", "dflash"]
+    assert results["curves"]["dflash"] == [[9, 5000, 1.0625], [19, 10000, 1.375]]
+    text = (tmp_path / "results.md").read_text()
+    assert "| dflash table |" in text and "| 19 | 10,000 | 1.375 |" in text
