@@ -128,7 +128,8 @@ def test_the_report_covers_every_family_served_in_the_work_directory(tmp_path):
     spec = importlib.util.spec_from_file_location("real_model", SCRIPT)
     real_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(real_model)
-    for family, values in (("eagle3", [1.125, 1.25]), ("dflash", [1.0625, 1.375]))  # float32-exact:
+    # Values a float32 event stores exactly.
+    for family, values in (("eagle3", [1.125, 1.25]), ("dflash", [1.0625, 1.375])):
         (tmp_path / f"{family}-served").mkdir()
         (tmp_path / f"{family}-served" / "served.json").write_text(json.dumps({"family": family}))
         (tmp_path / f"{family}-served" / "served.md").write_text(f"| {family} table |")
