@@ -37,16 +37,34 @@ POLL_S = 0.05
 WORKER_NICENESS = 0
 
 
+# Ray's logger for its token-authentication notices.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _TokenAuthEnabledNotice(logging.Filter):
+    """Drops Ray's warning that the local cluster it starts has token authentication on: the cluster is
+    this process's own and the secure default is what it should run with, so the line asks nothing of the
+    user. Every other notice of that logger (authentication off, a missing token) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def start_local_ray(num_cpus: int) -> None:
     """Start a Ray for this process with ``num_cpus`` worker slots and its workers at normal priority."""
     import ray
 
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"worker_niceness": WORKER_NICENESS},
-    )
+    notices, quiet = logging.getLogger(RAY_AUTH_LOGGER), _TokenAuthEnabledNotice()
+    notices.addFilter(quiet)
+    try:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"worker_niceness": WORKER_NICENESS},
+        )
+    finally:
+        notices.removeFilter(quiet)
 
 
 @dataclass
