@@ -92,7 +92,7 @@ from lightning_drafts.attention.backends import (  # noqa: E402
     resolve_backend,
 )
 from lightning_drafts.attention.block_masks import resolve_block_backend  # noqa: E402
-from lightning_drafts.core.batch import validate_batch  # noqa: E402
+from lightning_drafts.core.batch import PackedBatch, validate_batch  # noqa: E402
 from lightning_drafts.training.target import ROPE_TABLES, FrozenTarget  # noqa: E402
 from tests.block_draft_cases import BLOCK, MASK_TOKEN, perturb, to_padded, twins  # noqa: E402
 from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows  # noqa: E402
@@ -373,9 +373,9 @@ def state_gap(fused: torch.Tensor, reference: torch.Tensor) -> float:
 STATE_GAP_BOUND = 2**-5
 
 
-def check_fused_target_equals_sdpa(run: Run) -> None:
-    backend = ("flash" if flash_attn_available() else "flex") if run.cuda else "flex"
-    run.numbers["backend"] = backend
+def target_batch(run: Run) -> tuple[PackedBatch, torch.Tensor]:
+    """Two packed rows for the target checks (four documents ending inside flex blocks; a document as long as
+    two of the first row's beside a short one) and their real-token mask."""
     lengths = [7, 5, 9, 11] if run.quick else [700, 517, 303, 528]
     width = 40 if run.quick else 2048
     rows = [
@@ -383,17 +383,25 @@ def check_fused_target_equals_sdpa(run: Run) -> None:
         packed_row(random_docs([lengths[0] + lengths[1], 3], seed=2), width),
     ]
     batch = validate_batch(on(stack_rows(rows), run.device))
-    real = batch.attention_mask.bool()
+    return batch, batch.attention_mask.bool()
+
+
+def captured_states(output, real: torch.Tensor) -> list[torch.Tensor]:
+    """A target output's captured layers and final state at the real tokens, in float32."""
+    return [*(h[real].float() for h in output.hidden_states), output.last_hidden_state[real].float()]
+
+
+def check_fused_target_equals_sdpa(run: Run) -> None:
+    backend = ("flash" if flash_attn_available() else "flex") if run.cuda else "flex"
+    run.numbers["backend"] = backend
+    batch, real = target_batch(run)
     for family in FAMILIES:
         config = tiny(family)
         outputs = {}
         for name in (backend, "sdpa"):
             target = FrozenTarget(config, attn_backend=name, dtype="bfloat16").to(run.device)
             outputs[name] = target(batch, [0, 3, 6])
-        states = {
-            name: [*(h[real].float() for h in out.hidden_states), out.last_hidden_state[real].float()]
-            for name, out in outputs.items()
-        }
+        states = {name: captured_states(out, real) for name, out in outputs.items()}
         gaps = [state_gap(f, r) for f, r in zip(states[backend], states["sdpa"], strict=True)]
         run.numbers[family] = gaps
         assert max(gaps) < STATE_GAP_BOUND, f"{family}: {backend} vs sdpa state gaps {gaps}"
@@ -422,14 +430,7 @@ def check_layer_kind_targets_equal_eager(run: Run) -> None:
     masks, in bf16, every captured layer and the final state at real tokens. gpt-oss's sinks run in flex on
     CUDA only and are refused by flash-attn varlen (checked by its message); on a CPU flex runs the others."""
     window = 4 if run.quick else 256
-    lengths = [7, 5, 9, 11] if run.quick else [700, 517, 303, 528]
-    width = 40 if run.quick else 2048
-    rows = [
-        packed_row(random_docs(lengths, seed=1), width),
-        packed_row(random_docs([lengths[0] + lengths[1], 3], seed=2), width),
-    ]
-    batch = validate_batch(on(stack_rows(rows), run.device))
-    real = batch.attention_mask.bool()
+    batch, real = target_batch(run)
     fused = (["flash"] if run.cuda and flash_attn_available() else []) + ["flex"]
     for architecture in LAYER_KIND_TARGETS:
         # One target per fit in production: its mask kinds' compiled variants, not four targets' together,
@@ -439,10 +440,7 @@ def check_layer_kind_targets_equal_eager(run: Run) -> None:
         reference = FrozenTarget(config, attn_backend="eager", dtype="bfloat16").to(run.device)(
             batch, [0, 1, 2]
         )
-        expected = [
-            *(h[real].float() for h in reference.hidden_states),
-            reference.last_hidden_state[real].float(),
-        ]
+        expected = captured_states(reference, real)
         for backend in fused:
             target = FrozenTarget(config, attn_backend=backend, dtype="bfloat16").to(run.device)
             refusal = {
@@ -460,8 +458,7 @@ def check_layer_kind_targets_equal_eager(run: Run) -> None:
                     continue
                 raise AssertionError(f"{architecture} on {backend} ran; it must be refused ({refusal})")
             out = target(batch, [0, 1, 2])
-            states = [*(h[real].float() for h in out.hidden_states), out.last_hidden_state[real].float()]
-            gaps = [state_gap(f, r) for f, r in zip(states, expected, strict=True)]
+            gaps = [state_gap(f, r) for f, r in zip(captured_states(out, real), expected, strict=True)]
             run.numbers[f"{architecture}/{backend}"] = gaps
             assert max(gaps) < STATE_GAP_BOUND, f"{architecture}: {backend} vs eager state gaps {gaps}"
 
