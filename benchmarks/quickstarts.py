@@ -3,8 +3,10 @@
 For each ``configs/quickstart/<name>.yaml``: ``lightning-drafts fit`` (wall and CPU time), export of its
 ``best.ckpt``, then ``lightning-drafts evaluate`` on 16 held-out prompts of the config's validation
 split, 64 new tokens each past EOS (the shipped targets end a chat reply after about 16 tokens, and 16
-short replies make a noisy figure). Prints a markdown table: the served ``accept_len`` and the first /
-last ``val/loss`` and ``val/accept_len`` from the TensorBoard event file.
+short replies make a noisy figure), and on the 80 MT-Bench questions (both turns, the second after the
+target's own first answer; up to 128 new tokens, stopping at the end of the target's turn as an engine
+does). Prints two markdown tables: the served ``accept_len`` and the first / last ``val/loss`` and
+``val/accept_len`` from the TensorBoard event file; MT-Bench's acceptance per category.
 
     .venv/bin/python benchmarks/quickstarts.py                     # all five, into runs-quickstarts/
     .venv/bin/python benchmarks/quickstarts.py --only eagle3 dspark --threads 1
@@ -66,6 +68,21 @@ def quickstart(name: str, out: Path, env: dict[str, str]) -> dict:
     ]
     eval_wall, _ = run([*evaluate, "--ignore-eos", f"--json={report}"], env)
     served = json.loads(report.read_text())
+    mt_bench = out / f"{name}-mt-bench.json"
+    mt_bench_wall, _ = run(
+        [
+            *CLI,
+            "evaluate",
+            str(export),
+            f"--config={config}",
+            "--prompts=mt-bench",
+            "--max-new-tokens=128",
+            "--no-training-estimate",
+            "--no-card",
+            f"--json={mt_bench}",
+        ],
+        env,
+    )
     val_loss, val_accept = scalars(log_dir, "val/loss"), scalars(log_dir, "val/accept_len")
     return {
         "name": name,
@@ -76,6 +93,8 @@ def quickstart(name: str, out: Path, env: dict[str, str]) -> dict:
         "rounds": served["rounds"],
         "val_loss": [round(val_loss[0], 3), round(val_loss[-1], 3)],
         "val_accept_len": [round(val_accept[0], 3), round(val_accept[-1], 3)],
+        "mt_bench_wall_s": round(mt_bench_wall, 1),
+        "mt_bench": json.loads(mt_bench.read_text())["table"],
     }
 
 
@@ -104,6 +123,30 @@ def main() -> None:
             f"({row['rounds']} rounds) | {row['val_loss'][0]} -> {row['val_loss'][1]} | "
             f"{row['val_accept_len'][0]} -> {row['val_accept_len'][1]} |"
         )
+    print(mt_bench_table(rows))
+
+
+def mt_bench_table(rows: list[dict]) -> str:
+    """Each quickstart's MT-Bench acceptance: pooled (per-request) for every category and the whole set,
+    then tokens/s of the built-in decode with the draft and with the target alone."""
+    categories = [r["category"] for r in rows[0]["mt_bench"]]
+    lines = [
+        "| quickstart | " + " | ".join(categories) + " | tokens/s with / without draft |",
+        "|---|" + "---|" * (len(categories) + 1),
+    ]
+    for row in rows:
+        cells = {r["category"]: r for r in row["mt_bench"]}
+        whole = cells[categories[-1]]
+        speeds = whole["tokens_per_s"]
+        lines.append(
+            f"| {row['name']} | "
+            + " | ".join(
+                f"{cells[c]['accept_len_pooled']:.2f} ({cells[c]['accept_len_per_request']:.2f})"
+                for c in categories
+            )
+            + f" | {speeds['draft']:.0f} / {speeds['target']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ from tests.families.family_case import registered
 from tests.tiny_gguf import write_tiny_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Two threads on the 2-core machines CI runs on; OMP_NUM_THREADS, when set, chooses another count, so the
-# suite's tolerances can be run under 1 or 2 threads (a reduction's order changes with the thread count).
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+# Two threads on the 2-core machines CI runs on, shared among pytest-xdist's workers (one each when two run:
+# a second thread per worker would only spin against the other worker); OMP_NUM_THREADS, when set, chooses
+# another count, so the suite's tolerances can be run under 1 or 2 threads (a reduction's order changes with
+# the thread count).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", str(max(1, 2 // _WORKERS)))))
 # The shipped Qwen3 and DeepSeek-V3 targets' decoding makes subnormal floats (attention weights of about
 # 1e-40), which x86 CPUs compute through a microcode path up to 80x slower; flushed to zero they change no
 # token (the same greedy decodes) and the suite's comparisons hold within one process either way.

@@ -101,8 +101,11 @@ def check_imports_from(copy: Path) -> None:
 
 def run_tests(copy: Path, tests: tuple[str, ...] | list[str]) -> tuple[int, str]:
     """``pytest -x`` of ``tests`` from ``copy``, forked off the copy's preloaded server (its third-party
-    imports done once, not once per mutant)."""
-    rc, output = RUNNERS[copy].run(copy, ["-x", "-q", "-p", "no:cacheprovider", *tests], HANG_GUARD_S)
+    imports done once, not once per mutant), in that process (``-n 0``: the gate runs mutants side by side
+    already, and a worker pool per mutant would import everything again)."""
+    rc, output = RUNNERS[copy].run(
+        copy, ["-x", "-q", "-p", "no:cacheprovider", "-n", "0", *tests], HANG_GUARD_S
+    )
     if rc == -1:
         return -1, f"no result within {HANG_GUARD_S} s"
     return rc, output.strip()
