@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_drafts.serving.served_table import ALL_CATEGORIES
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "lightning_drafts"]
 
@@ -58,23 +60,15 @@ def quickstart(name: str, out: Path, env: dict[str, str]) -> dict:
     export = out / f"{name}-export"
     run([*CLI, "export", str(log_dir / "checkpoints" / "best.ckpt"), str(export), "--overwrite"], env)
     report = out / f"{name}-served.json"
-    evaluate = [
-        *CLI,
-        "evaluate",
-        str(export),
-        f"--config={config}",
-        "--num-prompts=16",
-        "--max-new-tokens=64",
-    ]
-    eval_wall, _ = run([*evaluate, "--ignore-eos", f"--json={report}"], env)
+    evaluate = [*CLI, "evaluate", str(export), f"--config={config}"]
+    eval_wall, _ = run(
+        [*evaluate, "--num-prompts=16", "--max-new-tokens=64", "--ignore-eos", f"--json={report}"], env
+    )
     served = json.loads(report.read_text())
     mt_bench = out / f"{name}-mt-bench.json"
     mt_bench_wall, _ = run(
         [
-            *CLI,
-            "evaluate",
-            str(export),
-            f"--config={config}",
+            *evaluate,
             "--prompts=mt-bench",
             "--max-new-tokens=128",
             "--no-training-estimate",
@@ -136,8 +130,7 @@ def mt_bench_table(rows: list[dict]) -> str:
     ]
     for row in rows:
         cells = {r["category"]: r for r in row["mt_bench"]}
-        whole = cells[categories[-1]]
-        speeds = whole["tokens_per_s"]
+        speeds = cells[ALL_CATEGORIES]["tokens_per_s"]
         lines.append(
             f"| {row['name']} | "
             + " | ".join(
