@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
-from lightning_drafts.datamodules.chat_format import MalformedRow, read_conversation
+from lightning_drafts.datamodules.chat_format import Conversation, MalformedRow, read_conversation
 from lightning_drafts.datamodules.content_split import split_by_content
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
@@ -334,9 +334,17 @@ class PackedChatDataModule(LightningDataModule):
         arrays = {id(d.input_ids): d.input_ids for d in (self.train_documents, self.val_documents) if d}
         return sum(int(np.count_nonzero(ids == token_id)) for ids in arrays.values())
 
-    def conversations(self) -> Iterator[tuple[int, list[dict[str, str]] | MalformedRow]]:
+    def conversations(self) -> Iterator[tuple[int, list[dict[str, Any]] | MalformedRow]]:
         """Every row of ``data_files`` (the first ``max_documents``), in file order, as ``(row index,
-        normalised messages)``, or ``(row index, MalformedRow)`` for a row that is not a conversation.
+        normalised messages)``, or ``(row index, MalformedRow)`` for a row that is not a conversation
+        (:meth:`conversation_rows` with the row's tool definitions)."""
+        for index, row in self.conversation_rows():
+            yield index, row if isinstance(row, MalformedRow) else row.messages
+
+    def conversation_rows(self) -> Iterator[tuple[int, Conversation | MalformedRow]]:
+        """Every row of ``data_files`` (the first ``max_documents``), in file order, as ``(row index,
+        Conversation)`` (its messages and tool definitions), or ``(row index, MalformedRow)`` for a row
+        that is not a conversation.
 
         What ``lightning-drafts regenerate`` rewrites: all rows, before the validation split (a row
         unreadable as JSON is named in the setup summary's reader counts, as for ``fit``, and not
@@ -353,10 +361,12 @@ class PackedChatDataModule(LightningDataModule):
         count = len(rows) if self.max_documents is None else min(self.max_documents, len(rows))
         for index in range(count):
             try:
-                conversation = read_conversation(
-                    rows[index], require_answers=False, drop_media=self.chat_options.drop_media
+                yield (
+                    index,
+                    read_conversation(
+                        rows[index], require_answers=False, drop_media=self.chat_options.drop_media
+                    ),
                 )
-                yield index, conversation.messages
             except MalformedRow as malformed:
                 yield index, malformed
 

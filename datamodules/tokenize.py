@@ -87,18 +87,22 @@ def render_with_assistant_spans(
 
 
 def render_prompt(
-    messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any
+    messages: list[dict[str, Any]],
+    template: str,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
 ) -> str:
     """The text a model continues to write the next assistant turn after ``messages``: the conversation
-    rendered as training renders it, plus the generation prompt (``template_kwargs`` reach the template,
-    e.g. ``enable_thinking``)."""
+    rendered as training renders it (with its ``tools`` definitions), plus the generation prompt
+    (``template_kwargs`` reach the template, e.g. ``enable_thinking``)."""
     special = tokenizer.special_tokens_map
     return render_jinja_template(
         [template_roles(messages, template)],
+        tools=tools,
         chat_template=template,
         add_generation_prompt=True,
-        **special,
-        **template_kwargs,
+        **{**special, **template_kwargs},
     )[0][0]
 
 

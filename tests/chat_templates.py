@@ -73,6 +73,33 @@ WEATHER_TOOL = {
     },
 }
 
+# An agent conversation: reasoning, a tool call, its result, an answer, then a second user query whose
+# answer writes its reasoning as a <think> block inside the content.
+AGENT = {
+    "tools": [WEATHER_TOOL],
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [
+                {
+                    "id": "call1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call1", "content": "18 C, sunny"},
+        {"role": "assistant", "content": "It is 18 C and sunny.", "reasoning_content": "The tool says 18 C."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "<think>Polite reply.</think>You are welcome."},
+    ],
+}
+HELLO = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+
 
 def template(name: str) -> str:
     return (FIXTURES / f"{name}.jinja").read_text()

@@ -98,6 +98,7 @@ def regenerate_main(args: list[str]) -> None:
         max_prompt_tokens=parsed.max_prompt_tokens,
         context_tokens=getattr(target_config, "max_position_embeddings", None),
         max_conversation_tokens=_conversation_bound(parsed.max_conversation_tokens, datamodule),
+        tool_calls=parsed.tool_calls,
     )
     output = parsed.output if workers == 1 else shard_path(parsed.output, worker, workers)
     try:
@@ -117,7 +118,9 @@ def regenerate_main(args: list[str]) -> None:
     counts = meta["counts"]
     print(
         f"wrote {output}: {counts['rows_written']} rows, {counts['generated_tokens']:,} generated tokens, "
-        f"skipped {counts['skipped']}, ended early {counts['ended_early']}"
+        f"skipped {counts['skipped']}, ended early {counts['ended_early']}, "
+        f"{counts['tool_call_turns_kept']} tool-call turns and {counts['tool_results_kept']} tool results kept "
+        "as recorded"
     )
 
 
@@ -169,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--thinking", choices=["on", "off", "both"], help="enable_thinking of templates that have it"
+    )
+    parser.add_argument(
+        "--tool-calls",
+        choices=["keep", "skip"],
+        default="keep",
+        help="conversations with tool calls: keep the recorded calls and results and regenerate the text "
+        "answers (default), or skip them",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="conversations generated together")

@@ -20,6 +20,13 @@ A row that cannot be answered (not a conversation, an empty user turn, a first p
 ``max_conversation_tokens``) is not written; it is counted by reason and named in the metadata, never
 dropped silently. A conversation that meets one of the last three at a later turn is written up to its
 last generated turn and counted (``ended_early``) by reason.
+
+**Agents.** Regenerate runs no tools, and a recorded tool result answers the recorded call, not the one the
+target might make. So an assistant turn that calls tools is kept as recorded, with the tool results after
+it, and the assistant turns that answer in text are regenerated from the conversation so far, rendered with
+the row's tool definitions (``tools``) as serving renders them; the row is written with its ``tools``.
+Kept call turns are counted (``tool_call_turns_kept``: their tokens are the data's, not the target's).
+``tool_calls="skip"`` leaves such conversations out instead, counted.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from lightning_drafts.datamodules.tokenize import render_prompt
 from lightning_drafts.serving.progress import Progress, announce
 
 THINKING_MODES = (None, "on", "off", "both")
+TOOL_CALL_POLICIES = ("keep", "skip")
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,9 @@ class Counts:
     skipped_rows: list[dict[str, Any]] = field(default_factory=list)
     # Conversations written with their turns up to the one that could not be generated, by reason.
     ended_early: Counter = field(default_factory=Counter)
+    # Assistant turns calling tools, and tool results, written as recorded (tool_calls="keep").
+    tool_call_turns_kept: int = 0
+    tool_results_kept: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Counts:
@@ -226,10 +237,15 @@ class RegenerateOptions:
     # Training truncates each document at the data module's max_tokens: a turn whose prompt already holds
     # that many tokens would never be trained on, so the conversation ends before it (None: no bound).
     max_conversation_tokens: int | None = None
+    # Conversations with tool calls: "keep" their calls and results as recorded and regenerate the text
+    # answers, or "skip" them (counted).
+    tool_calls: str = "keep"
 
     def __post_init__(self) -> None:
         if self.thinking not in THINKING_MODES:
             raise ValueError(f"thinking = {self.thinking!r}; choose one of {THINKING_MODES}")
+        if self.tool_calls not in TOOL_CALL_POLICIES:
+            raise ValueError(f"tool_calls = {self.tool_calls!r}; choose one of {TOOL_CALL_POLICIES}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size = {self.batch_size}; it must be >= 1")
         if self.max_conversation_tokens is not None and self.max_conversation_tokens < 1:
@@ -270,7 +286,7 @@ def regenerate(
     worker: tuple[int, int] = (0, 1),
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Rewrite the assistant turns of ``datamodule.conversations()`` with ``engine`` into ``output``.
+    """Rewrite the assistant turns of ``datamodule.conversation_rows()`` with ``engine`` into ``output``.
 
     ``worker = (i, n)``: this worker's share (batches ``i, i + n, ...``), written to ``output`` itself;
     give each worker its own ``output`` (:func:`shard_path`) and :func:`merge_shards` them. Returns the
@@ -281,7 +297,7 @@ def regenerate(
     output = Path(output)
     with exclusive_output(output):
         meta_path = metadata_path(output)
-        rows = list(datamodule.conversations())
+        rows = list(datamodule.conversation_rows())
         settings = {
             **asdict(options),
             "worker": [index, workers],
@@ -314,7 +330,15 @@ def regenerate(
         ):
             for number, batch in mine:
                 before = counts.generated_tokens
-                written = _regenerate_batch(batch, engine, options, tokenizer, template, counts)
+                written = _regenerate_batch(
+                    batch,
+                    engine,
+                    options,
+                    tokenizer,
+                    template,
+                    datamodule.chat_options.template_kwargs,
+                    counts,
+                )
                 for row in written:
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()
@@ -336,39 +360,46 @@ def _regenerate_batch(
     options: RegenerateOptions,
     tokenizer: Any,
     template: str,
+    template_kwargs: dict[str, Any],
     counts: Counts,
 ) -> list[dict[str, Any]]:
     """The regenerated rows of one batch, in source-row order (turn ``k`` of every conversation is
     generated together: multi-turn conversations continue from their own regenerated turns)."""
     modes = {"both": [True, False], "on": [True], "off": [False], None: [None]}[options.thinking]
-    jobs = []  # (source row, thinking, remaining messages, regenerated so far)
-    for row, messages in batch:
+    jobs = []  # (source row, thinking, remaining messages, regenerated so far, tool definitions)
+    for row, conversation in batch:
         counts.conversations += 1
-        problem = messages.reason if isinstance(messages, MalformedRow) else _unanswerable(messages)
+        if isinstance(conversation, MalformedRow):
+            problem = conversation.reason
+        else:
+            problem = _unanswerable(conversation.messages, options.tool_calls)
         if problem is not None:
             counts.skipped[problem] += 1
             counts.skipped_rows.append({"row": row, "reason": problem})
             continue
-        jobs += [(row, mode, list(messages), []) for mode in modes]
+        jobs += [(row, mode, list(conversation.messages), [], conversation.tools) for mode in modes]
     finished, turn = [], 0
     encode = tokenizer.backend_tokenizer.encode
     while jobs:
         requests, waiting, still = [], [], []
         for job in jobs:
-            row, mode, remaining, so_far = job
-            while remaining and remaining[0]["role"] != "assistant":
-                so_far.append(remaining.pop(0))
+            row, mode, remaining, so_far, tools = job
+            while remaining and not _generated(remaining[0]):
+                kept = remaining.pop(0)
+                counts.tool_call_turns_kept += kept["role"] == "assistant"
+                counts.tool_results_kept += kept["role"] == "tool"
+                so_far.append(kept)
             if not remaining:
                 finished.append(job)
                 continue
-            kwargs = {} if mode is None else {"enable_thinking": mode}
+            kwargs = template_kwargs if mode is None else {**template_kwargs, "enable_thinking": mode}
             prompt = encode(
-                render_prompt(so_far, template, tokenizer, **kwargs), add_special_tokens=False
+                render_prompt(so_far, template, tokenizer, tools=tools, **kwargs), add_special_tokens=False
             ).ids
             stop = options.stop_reason(len(prompt))
             if stop is not None:
                 if any(m["role"] == "assistant" for m in so_far):
-                    # What was generated is kept: the conversation ends at its last generated turn.
+                    # What was generated (or kept) is kept: the conversation ends at its last assistant turn.
                     while so_far[-1]["role"] != "assistant":
                         so_far.pop()
                     counts.ended_early[stop] += 1
@@ -381,7 +412,7 @@ def _regenerate_batch(
             waiting.append(job)
         if requests:
             for job, tokens in zip(waiting, engine(requests, options.sampling), strict=True):
-                row, mode, remaining, so_far = job
+                row, mode, remaining, so_far, _ = job
                 remaining.pop(0)
                 so_far.append({"role": "assistant", "content": tokenizer.decode(tokens)})
                 counts.assistant_turns += 1
@@ -390,8 +421,10 @@ def _regenerate_batch(
                 still.append(job)
         jobs, turn = still, turn + 1
     rows = []
-    for row, mode, _, messages in sorted(finished, key=lambda job: (job[0], job[1] is False)):
+    for row, mode, _, messages, tools in sorted(finished, key=lambda job: (job[0], job[1] is False)):
         record: dict[str, Any] = {"messages": messages, "source_row": row}
+        if tools is not None:
+            record["tools"] = tools
         if mode is not None:
             record["thinking"] = mode
         rows.append(record)
@@ -399,16 +432,21 @@ def _regenerate_batch(
     return rows
 
 
-# Regenerating an agent's turn would need its tools run on the new calls; the recorded results
-# answer the recorded calls, not the target's.
-TOOL_TURNS = "tool calls (regenerate runs no tools)"
+def _generated(message: dict[str, Any]) -> bool:
+    """Whether ``message`` is a turn the target writes anew: an assistant turn that answers in text (a
+    turn calling tools is kept, as the recorded results answer its calls)."""
+    return message["role"] == "assistant" and not message.get("tool_calls")
 
 
-def _unanswerable(messages: list[dict[str, Any]]) -> str | None:
+# Why a conversation with tool calls or results is left out under tool_calls="skip".
+TOOL_TURNS = "tool calls (tool_calls='skip')"
+
+
+def _unanswerable(messages: list[dict[str, Any]], tool_calls: str) -> str | None:
     for message in messages:
         if message["role"] == "user" and not message["content"].strip():
             return "empty user turn"
-        if message["role"] == "tool" or message.get("tool_calls"):
+        if tool_calls == "skip" and (message["role"] == "tool" or message.get("tool_calls")):
             return TOOL_TURNS
     return None
 
@@ -496,9 +534,16 @@ def _start(
 
 def _data_fingerprint(datamodule: Any, rows: list[tuple[int, Any]]) -> str:
     digest = hashlib.sha256()
-    for row, messages in rows:
-        digest.update(json.dumps([row, getattr(messages, "reason", messages)], sort_keys=True).encode())
+    for row, conversation in rows:
+        if isinstance(conversation, MalformedRow):
+            digest.update(json.dumps([row, conversation.reason], sort_keys=True).encode())
+            continue
+        digest.update(json.dumps([row, conversation.messages], sort_keys=True).encode())
+        if conversation.tools is not None:
+            digest.update(json.dumps(conversation.tools, sort_keys=True).encode())
     digest.update(datamodule.chat_template.encode())
+    if datamodule.chat_options.template_kwargs:  # they reach every prompt's rendering
+        digest.update(json.dumps(datamodule.chat_options.template_kwargs, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 
 

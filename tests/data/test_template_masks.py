@@ -10,34 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chat_templates import WEATHER_TOOL, document_text, set_up, supervised_runs
-
-# An agent conversation: reasoning, a tool call, its result, an answer, then a second user query whose
-# answer writes its reasoning as a <think> block inside the content.
-AGENT = {
-    "tools": [WEATHER_TOOL],
-    "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "reasoning_content": "I should call the tool.",
-            "tool_calls": [
-                {
-                    "id": "call1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call1", "content": "18 C, sunny"},
-        {"role": "assistant", "content": "It is 18 C and sunny.", "reasoning_content": "The tool says 18 C."},
-        {"role": "user", "content": "Thanks!"},
-        {"role": "assistant", "content": "<think>Polite reply.</think>You are welcome."},
-    ],
-}
-HELLO = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+from tests.chat_templates import AGENT, HELLO, WEATHER_TOOL, document_text, set_up, supervised_runs
 
 QWEN3_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 

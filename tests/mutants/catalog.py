@@ -26,6 +26,10 @@ DSPARK = "tests/families/dspark/test_dspark.py::"
 SERVED = "tests/serving/test_served_evaluate.py::test_a_perfect_draft_reaches_the_maximum_acceptance_length"
 CHAT_MASKS = "tests/data/test_template_masks.py::"
 CHAT_SHAPES = "tests/data/test_chat_shapes.py::"
+REGENERATE_AGENT = (
+    "tests/workflows/test_regenerate.py::"
+    "test_an_agent_conversation_keeps_its_calls_and_results_and_regenerates_its_answers"
+)
 CONFORMANCE_RELOAD = (
     "tests/families/test_conformance.py::test_export_validates_and_reloads_into_the_same_draft"
 )
@@ -239,6 +243,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "end = len(through)",
         (CHAT_MASKS + "test_smollm2_default_system_prompt_is_prompt_and_the_turn_ends_at_im_end",),
         "the newline a template writes after the end-of-turn token is supervised, after the target stopped",
+    ),
+    Mutant(
+        "regenerate-rewrites-tool-call-turns",
+        "lightning_drafts/workflows/regenerate.py",
+        'return message["role"] == "assistant" and not message.get("tool_calls")',
+        'return message["role"] == "assistant"',
+        (REGENERATE_AGENT,),
+        "regenerate writes a new turn over a recorded tool call, which the recorded result no longer answers",
+    ),
+    Mutant(
+        "regenerate-prompt-without-tools",
+        "lightning_drafts/workflows/regenerate.py",
+        "render_prompt(so_far, template, tokenizer, tools=tools, **kwargs), add_special_tokens=False",
+        "render_prompt(so_far, template, tokenizer, tools=None, **kwargs), add_special_tokens=False",
+        (REGENERATE_AGENT,),
+        "an agent's answers regenerated from a prompt without the tool definitions serving renders",
     ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(

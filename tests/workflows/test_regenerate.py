@@ -31,6 +31,7 @@ from lightning_drafts.workflows.regenerate import (
     regenerate,
     shard_path,
 )
+from tests.chat_templates import AGENT, HELLO, supervised_runs, template
 from tests.lock_holder import held_by_another_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,9 +63,8 @@ def chats(tmp_path: Path) -> Path:
 
 
 def data(files: Path, tmp_path: Path, **kwargs) -> PackedChatDataModule:
-    return PackedChatDataModule(
-        data_files=str(files), tokenizer=TARGET, max_tokens=256, cache_dir=str(tmp_path / "cache"), **kwargs
-    )
+    options = {"tokenizer": TARGET, "max_tokens": 256, "cache_dir": str(tmp_path / "cache"), **kwargs}
+    return PackedChatDataModule(data_files=str(files), **options)
 
 
 def engine(target: FrozenTarget, datamodule: PackedChatDataModule) -> TransformersEngine:
@@ -122,28 +122,83 @@ def test_regenerated_answers_are_the_targets_turn_by_turn(target, chats, tmp_pat
             assert row["messages"][position]["content"] == text
 
 
-def test_a_conversation_with_tool_calls_is_counted_not_regenerated(target, tmp_path):
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    rows = [
-        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
-        {
-            "messages": [
-                {"role": "user", "content": "Run f"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "done"},
-                {"role": "assistant", "content": "It ran."},
-            ]
-        },
-    ]
+def test_an_agent_conversation_keeps_its_calls_and_results_and_regenerates_its_answers(tmp_path):
+    """Qwen3's published template (tools in its system block, calls as <tool_call> JSON) on the tiny Qwen3
+    target: the turn calling a tool and the tool's result are written as recorded, each text answer is the
+    target's greedy continuation of the conversation so far rendered with the row's tools (transformers'
+    own ``apply_chat_template`` as the reference), and the file reads back through the fit data path with
+    the call supervised and the result not."""
+    target = FrozenTarget("shipped:tiny-qwen3")
     files = tmp_path / "agent.jsonl"
-    files.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    datamodule = data(files, tmp_path)
-    with pytest.warns(UserWarning, match=r"\{'tool calls \(regenerate runs no tools\)': 1\}"):
-        meta = regenerate(
-            datamodule, engine(target, datamodule), tmp_path / "out.jsonl", OPTIONS, progress=False
+    files.write_text(json.dumps(AGENT) + "\n" + json.dumps(HELLO) + "\n")
+    options = {"tokenizer": "shipped:tiny-qwen3", "chat_template": template("qwen3"), "max_tokens": 1024}
+    datamodule = data(files, tmp_path, **options)
+    tokenizer, eos = datamodule.tokenizer, datamodule.tokenizer.eos_token_id
+    prompts = []
+
+    def recording(requests, sampling):
+        prompts.extend(tokenizer.decode(request.prompt) for request in requests)
+        return engine(target, datamodule)(requests, sampling)
+
+    output = tmp_path / "answers.jsonl"
+    meta = regenerate(datamodule, recording, output, OPTIONS, progress=False)
+    counts = meta["counts"]
+    assert (counts["tool_call_turns_kept"], counts["tool_results_kept"]) == (1, 1)
+    assert (
+        counts["assistant_turns"] == 3
+        and counts["skipped"] == {}
+        and meta["settings"]["tool_calls"] == "keep"
+    )
+    agent, hello = (json.loads(line) for line in output.read_text().splitlines())
+    assert agent["tools"] == AGENT["tools"] and "tools" not in hello
+    recorded = dict(datamodule.conversation_rows())[0].messages
+    messages = agent["messages"]
+    assert [m["role"] for m in messages] == [m["role"] for m in AGENT["messages"]]
+    assert messages[:4] == recorded[:4] and messages[5] == recorded[5]  # the call and its result as recorded
+    assert messages[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    for position in (4, 6):
+        prompt = tokenizer.apply_chat_template(
+            messages[:position],
+            tools=AGENT["tools"],
+            chat_template=template("qwen3"),
+            add_generation_prompt=True,
+            tokenize=False,
         )
-    assert meta["counts"]["skipped_rows"] == [{"row": 1, "reason": "tool calls (regenerate runs no tools)"}]
-    assert meta["counts"]["rows_written"] == 1
+        assert "Weather of a city" in prompt and "18 C, sunny" in prompt
+        ids = torch.tensor(tokenizer(prompt, add_special_tokens=False).input_ids)
+        expected = greedy_generate(target, ids, 12, stop_token_ids=[eos])
+        assert messages[position] == {
+            "role": "assistant",
+            "content": tokenizer.decode([t for t in expected if t != eos]),
+        }
+    # Turn k of every conversation goes together: the agent's first answer and the greeting's, then the
+    # agent's second; only the agent's prompts hold tool definitions.
+    assert ["Weather of a city" in prompt for prompt in prompts] == [True, False, True], prompts
+
+    # Through the fit data path: the call (with its reasoning) and the answers supervised, the result not.
+    module = data(output, tmp_path / "read", setup_summary=False, val_fraction=0.0, **options)
+    module.setup("fit")
+    assert (module.stats["train"]["tool_calls"], module.stats["train"]["tool_results"]) == (1, 1)
+    runs = [run for i in range(len(module.train_documents)) for run in supervised_runs(module, i)]
+    assert any("<tool_call>" in run and '"city": "Paris"' in run for run in runs), runs
+    assert not any("18 C, sunny" in run for run in runs), runs
+    answers = [messages[4]["content"], messages[6]["content"], hello["messages"][1]["content"]]
+    assert all(any(answer in run for run in runs) for answer in answers), (answers, runs)
+
+
+def test_tool_calls_skip_leaves_agent_conversations_out_counted(target, tmp_path):
+    files = tmp_path / "agent.jsonl"
+    files.write_text(json.dumps(HELLO) + "\n" + json.dumps(AGENT) + "\n")
+    datamodule = data(files, tmp_path, chat_template=template("qwen3"))
+    options = RegenerateOptions(Sampling(max_new_tokens=4), batch_size=2, tool_calls="skip")
+    with pytest.warns(UserWarning, match=r"\{\"tool calls \(tool_calls='skip'\)\": 1\}"):
+        meta = regenerate(
+            datamodule, engine(target, datamodule), tmp_path / "out.jsonl", options, progress=False
+        )
+    assert meta["counts"]["skipped_rows"] == [{"row": 1, "reason": "tool calls (tool_calls='skip')"}]
+    assert meta["counts"]["rows_written"] == 1 and meta["counts"]["tool_call_turns_kept"] == 0
+    with pytest.raises(ValueError, match=r"tool_calls = 'run'; choose one of \('keep', 'skip'\)"):
+        RegenerateOptions(tool_calls="run")
 
 
 def test_a_killed_run_resumes_to_the_same_file_and_two_workers_give_the_same_rows(
