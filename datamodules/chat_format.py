@@ -21,6 +21,8 @@ row never crashes a run and never disappears silently. A row a reader already ju
 verdict under :data:`MALFORMED_KEY` / :data:`MALFORMED_FIELD_KEY` and raises it here; a row it kept
 carries the normalised conversation as JSON under :data:`CONVERSATION_KEY` (Arrow would otherwise give
 every message every key of every other message, and every tool call's arguments every argument name).
+
+:func:`conversation_row` writes a conversation back as a row of the format it was read in.
 """
 
 from __future__ import annotations
@@ -59,16 +61,23 @@ REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 @dataclass(frozen=True)
 class Conversation:
-    """A normalised row: its messages, its tool definitions (None without), and how many non-text
-    content parts were dropped from it (``drop_media``)."""
+    """A normalised row: its messages, its tool definitions (None without), how many non-text content
+    parts were dropped from it (``drop_media``), and the field its turns came in (``messages``, OpenAI's,
+    or ``conversations``, ShareGPT's: a rewritten row goes back in its input's format)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     dropped_parts: int = 0
+    key: str = "messages"
 
     def to_json(self) -> str:
         return json.dumps(
-            {"messages": self.messages, "tools": self.tools, "dropped_parts": self.dropped_parts}
+            {
+                "messages": self.messages,
+                "tools": self.tools,
+                "dropped_parts": self.dropped_parts,
+                "key": self.key,
+            }
         )
 
 
@@ -103,7 +112,9 @@ def read_conversation(
         raise MalformedRow(row[MALFORMED_KEY], row.get(MALFORMED_FIELD_KEY) or "")
     if row.get(CONVERSATION_KEY):
         stored = json.loads(row[CONVERSATION_KEY])
-        conversation = Conversation(stored["messages"], stored["tools"], stored["dropped_parts"])
+        conversation = Conversation(
+            stored["messages"], stored["tools"], stored["dropped_parts"], stored["key"]
+        )
         if require_answers:
             _check_answers(conversation.messages, "messages")
         return conversation
@@ -123,7 +134,47 @@ def read_conversation(
         raise MalformedRow("no assistant turn", f"{key}[*].{'role' if key == 'messages' else 'from'}")
     if require_answers:
         _check_answers(messages, key)
-    return Conversation(messages, _tools(row.get("tools")), sum(dropped))
+    return Conversation(messages, _tools(row.get("tools")), sum(dropped), key)
+
+
+def conversation_row(conversation: Conversation) -> dict[str, Any]:
+    """``conversation`` as a row of the format it was read in (its ``key``): OpenAI ``messages`` with the
+    row's ``tools``, or a ShareGPT row (:func:`sharegpt_row`); reading the row gives the conversation back."""
+    if conversation.key == "conversations":
+        return sharegpt_row(conversation)
+    row: dict[str, Any] = {"messages": conversation.messages}
+    if conversation.tools is not None:
+        row["tools"] = conversation.tools
+    return row
+
+
+def sharegpt_row(conversation: Conversation) -> dict[str, Any]:
+    """``conversation`` as a ShareGPT row in LLaMA-Factory's tool form, the inverse of reading one: speakers
+    ``system`` / ``human`` / ``gpt``, a turn that only calls tools as ``function_call`` (the JSON of its call,
+    or of the list of its calls), a tool result as ``observation``, reasoning, call ids and the calls of a
+    turn that also speaks as the extra keys the reader takes, and ``tools`` as a JSON string."""
+    speakers = {
+        "system": "system",
+        "developer": "system",
+        "user": "human",
+        "assistant": "gpt",
+        "tool": "observation",
+    }
+    turns = []
+    for message in conversation.messages:
+        extras = {
+            k: message[k] for k in ("reasoning_content", "tool_calls", "tool_call_id", "name") if k in message
+        }
+        if set(extras) == {"tool_calls"} and not message["content"]:
+            calls = [call["function"] for call in message["tool_calls"]]
+            value = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            turns.append({"from": "function_call", "value": value})
+        else:
+            turns.append({"from": speakers[message["role"]], "value": message["content"]} | extras)
+    row: dict[str, Any] = {"conversations": turns}
+    if conversation.tools is not None:
+        row["tools"] = json.dumps(conversation.tools, ensure_ascii=False)
+    return row
 
 
 def _check_answers(messages: list[dict[str, Any]], key: str) -> None:

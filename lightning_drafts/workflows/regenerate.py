@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from lightning_drafts.core.output_lock import exclusive_output
-from lightning_drafts.datamodules.chat_format import MalformedRow
+from lightning_drafts.datamodules.chat_format import Conversation, MalformedRow, conversation_row
 from lightning_drafts.datamodules.tokenize import render_prompt
 from lightning_drafts.serving.progress import Progress, announce
 
@@ -366,7 +366,7 @@ def _regenerate_batch(
     """The regenerated rows of one batch, in source-row order (turn ``k`` of every conversation is
     generated together: multi-turn conversations continue from their own regenerated turns)."""
     modes = {"both": [True, False], "on": [True], "off": [False], None: [None]}[options.thinking]
-    jobs = []  # (source row, thinking, remaining messages, regenerated so far, tool definitions)
+    jobs = []  # (source row, thinking, remaining messages, regenerated so far, source conversation)
     for row, conversation in batch:
         counts.conversations += 1
         if isinstance(conversation, MalformedRow):
@@ -377,13 +377,13 @@ def _regenerate_batch(
             counts.skipped[problem] += 1
             counts.skipped_rows.append({"row": row, "reason": problem})
             continue
-        jobs += [(row, mode, list(conversation.messages), [], conversation.tools) for mode in modes]
+        jobs += [(row, mode, list(conversation.messages), [], conversation) for mode in modes]
     finished, turn = [], 0
     encode = tokenizer.backend_tokenizer.encode
     while jobs:
         requests, waiting, still = [], [], []
         for job in jobs:
-            row, mode, remaining, so_far, tools = job
+            row, mode, remaining, so_far, source = job
             while remaining and not _generated(remaining[0]):
                 kept = remaining.pop(0)
                 counts.tool_call_turns_kept += kept["role"] == "assistant"
@@ -394,7 +394,8 @@ def _regenerate_batch(
                 continue
             kwargs = template_kwargs if mode is None else {**template_kwargs, "enable_thinking": mode}
             prompt = encode(
-                render_prompt(so_far, template, tokenizer, tools=tools, **kwargs), add_special_tokens=False
+                render_prompt(so_far, template, tokenizer, tools=source.tools, **kwargs),
+                add_special_tokens=False,
             ).ids
             stop = options.stop_reason(len(prompt))
             if stop is not None:
@@ -421,10 +422,9 @@ def _regenerate_batch(
                 still.append(job)
         jobs, turn = still, turn + 1
     rows = []
-    for row, mode, _, messages, tools in sorted(finished, key=lambda job: (job[0], job[1] is False)):
-        record: dict[str, Any] = {"messages": messages, "source_row": row}
-        if tools is not None:
-            record["tools"] = tools
+    for row, mode, _, messages, source in sorted(finished, key=lambda job: (job[0], job[1] is False)):
+        record = conversation_row(Conversation(messages, source.tools, key=source.key))
+        record["source_row"] = row
         if mode is not None:
             record["thinking"] = mode
         rows.append(record)

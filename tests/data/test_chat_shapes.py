@@ -11,7 +11,7 @@ import pytest
 
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.datamodules import PackedChatDataModule
-from lightning_drafts.datamodules.chat_format import read_conversation
+from lightning_drafts.datamodules.chat_format import conversation_row, read_conversation
 from lightning_drafts.datamodules.datamodule import logger as data_logger
 from tests.chat_templates import (
     WEATHER_TOOL,
@@ -279,3 +279,35 @@ def test_a_sharegpt_function_call_may_hold_several_calls():
         {"type": "function", "function": {"name": "a", "arguments": {"x": 1}}},
         {"type": "function", "function": {"name": "b", "arguments": {"y": 2}}},
     ]
+
+
+def test_a_row_written_back_reads_as_the_same_conversation_in_its_input_format():
+    """``conversation_row`` (how ``regenerate`` writes rows) gives every shape back in the format it came
+    in: a canonical ShareGPT row is written back as it was, character for character, and each shape above
+    and each of several calls reads back as the conversation it was read as."""
+    sharegpt = SHAPES["sharegpt tool call"][0]
+    assert conversation_row(read_conversation(sharegpt)) == sharegpt
+    several = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Go"},
+            {
+                "from": "function_call",
+                "value": '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+            },
+            {"from": "observation", "value": "1", "name": "a"},
+            {"from": "observation", "value": "2"},
+            {"from": "gpt", "value": "Done.", "reasoning_content": "Both ran."},
+            {"from": "human", "value": "And Paris?"},
+            {"from": "gpt", "value": "Looking.", "tool_calls": [CALL]},
+            {"from": "observation", "value": "18 C", "tool_call_id": "call1"},
+            {"from": "gpt", "value": "Sunny."},
+        ]
+    }
+    rows = [several, *(row for row, _ in SHAPES.values())]
+    for row in rows:
+        conversation = read_conversation(row, require_answers=False)
+        written = conversation_row(conversation)
+        assert set(written) <= {"messages", "conversations", "tools"}
+        assert ("conversations" in written) == ("conversations" in row), written
+        assert read_conversation(written, require_answers=False) == conversation, row

@@ -255,10 +255,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "regenerate-prompt-without-tools",
         "lightning_drafts/workflows/regenerate.py",
-        "render_prompt(so_far, template, tokenizer, tools=tools, **kwargs), add_special_tokens=False",
-        "render_prompt(so_far, template, tokenizer, tools=None, **kwargs), add_special_tokens=False",
+        "render_prompt(so_far, template, tokenizer, tools=source.tools, **kwargs),",
+        "render_prompt(so_far, template, tokenizer, tools=None, **kwargs),",
         (REGENERATE_AGENT,),
         "an agent's answers regenerated from a prompt without the tool definitions serving renders",
+    ),
+    Mutant(
+        "chat-row-written-back-as-openai",
+        "datamodules/chat_format.py",
+        'if conversation.key == "conversations":',
+        'if conversation.key == "sharegpt":',
+        (CHAT_SHAPES + "test_a_row_written_back_reads_as_the_same_conversation_in_its_input_format",),
+        "regenerate writes a ShareGPT input back as OpenAI messages, not in the input's format",
     ),
     # --- acceptance estimator --------------------------------------------------------------------------------
     Mutant(

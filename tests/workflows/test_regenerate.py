@@ -17,6 +17,7 @@ from lightning_drafts.cli.main import main as cli_main
 from lightning_drafts.cli.main import run_cli
 from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules import PackedChatDataModule
+from lightning_drafts.datamodules.chat_format import read_conversation
 from lightning_drafts.serving.decode import greedy_generate
 from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.training.data_match import DataMatch, target_match
@@ -184,6 +185,47 @@ def test_an_agent_conversation_keeps_its_calls_and_results_and_regenerates_its_a
     assert not any("18 C, sunny" in run for run in runs), runs
     answers = [messages[4]["content"], messages[6]["content"], hello["messages"][1]["content"]]
     assert all(any(answer in run for run in runs) for answer in answers), (answers, runs)
+
+
+def test_a_sharegpt_agent_row_is_written_back_as_sharegpt_with_the_answers_of_its_openai_copy(tmp_path):
+    """The same agent conversation as a LLaMA-Factory ShareGPT row (tools as a JSON string, the call as a
+    ``function_call`` turn, its result as ``observation``) and as an OpenAI row: each is written back in its
+    own format, the ShareGPT row's recorded turns character for character, and both read back as the same
+    conversation (the OpenAI path's answers are checked against transformers in the test above)."""
+    target = FrozenTarget("shipped:tiny-qwen3")
+    openai = {"tools": AGENT["tools"], "messages": [dict(m) for m in AGENT["messages"][:5]]}
+    # A function_call turn holds its call alone: no reasoning, no call id.
+    openai["messages"][2] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": AGENT["messages"][2]["tool_calls"][0]["function"]}],
+    }
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    sharegpt = {
+        "tools": json.dumps(AGENT["tools"]),
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "function_call", "value": call},
+            {"from": "observation", "value": "18 C, sunny", "tool_call_id": "call1"},
+            {"from": "gpt", "value": "It is 18 C and sunny."},
+        ],
+    }
+    options = {"tokenizer": "shipped:tiny-qwen3", "chat_template": template("qwen3"), "max_tokens": 1024}
+    written = {}
+    for name, row in (("openai", openai), ("sharegpt", sharegpt)):
+        files = tmp_path / f"{name}.jsonl"
+        files.write_text(json.dumps(row) + "\n")
+        datamodule = data(files, tmp_path / name, **options)
+        output = tmp_path / f"{name}.out.jsonl"
+        regenerate(datamodule, engine(target, datamodule), output, OPTIONS, progress=False)
+        (written[name],) = (json.loads(line) for line in output.read_text().splitlines())
+    assert set(written["sharegpt"]) == {"conversations", "tools", "source_row"}
+    assert written["sharegpt"]["tools"] == sharegpt["tools"]
+    turns = written["sharegpt"]["conversations"]
+    assert turns[:4] == sharegpt["conversations"][:4] and turns[4]["from"] == "gpt"
+    assert turns[4]["value"] == written["openai"]["messages"][4]["content"] != "It is 18 C and sunny."
+    assert read_conversation(written["sharegpt"]).messages == read_conversation(written["openai"]).messages
 
 
 def test_tool_calls_skip_leaves_agent_conversations_out_counted(target, tmp_path):
