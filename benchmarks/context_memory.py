@@ -1,7 +1,7 @@
 """Peak memory and time of one packed training step of every draft against the row width (the context).
 
 Each draft is its quickstart config (``configs/quickstart/<draft>.yaml``: the shipped tiny trained
-target, the draft's own settings; ``--targets tiny``: the random tiny targets of ``tests/builders.py``)
+target, the draft's own settings; ``--targets tiny``: the random tiny targets of ``tests/support/builders.py``)
 trained for one step on ONE packed row of ``--widths`` tokens (1k to 32k): documents of chat length
 (64 to 768 tokens, uniform, seeded; 64 to 256 on the tiny targets), the first quarter of each
 unsupervised (its prompt), the rest supervised. The step is the target forward, the draft, the loss,
@@ -169,7 +169,7 @@ def main() -> None:
         "--targets",
         choices=("shipped", "tiny"),
         default="shipped",
-        help="the quickstart configs' shipped targets, or the random tiny ones of tests/builders.py",
+        help="the quickstart configs' shipped targets, or the random tiny ones of tests/support/builders.py",
     )
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()

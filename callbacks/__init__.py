@@ -1,20 +1,37 @@
-"""Callbacks that turn each step's DraftOutput and batch into training logs."""
+"""Callbacks that turn each step's DraftOutput and batch into training logs.
 
-from lightning_drafts.callbacks.acceptance import AcceptanceCallback
-from lightning_drafts.callbacks.data_match import DataMatchCallback
-from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
-from lightning_drafts.callbacks.progress import DraftRichProgressBar, DraftTQDMProgressBar
-from lightning_drafts.callbacks.served_acceptance import ServedAcceptanceCallback
-from lightning_drafts.callbacks.slow_steps import SlowStepsNotice
-from lightning_drafts.callbacks.throughput import ThroughputCallback
+Each name loads on first use: ``DraftModule`` imports ``lightning_drafts.callbacks.acceptance`` while
+the training layer itself is being imported, and ``ServedAcceptanceCallback`` lives in the workflows
+layer (it exports and serves the draft), which imports the training layer. Loading every callback with
+this package would make the training layer import the layers above it.
+"""
 
-__all__ = [
-    "AcceptanceCallback",
-    "DataMatchCallback",
-    "DraftRichProgressBar",
-    "DraftTQDMProgressBar",
-    "PreemptionCheckpoint",
-    "ServedAcceptanceCallback",
-    "SlowStepsNotice",
-    "ThroughputCallback",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it.
+_PUBLIC = {
+    "AcceptanceCallback": "lightning_drafts.callbacks.acceptance",
+    "DataMatchCallback": "lightning_drafts.callbacks.data_match",
+    "DraftRichProgressBar": "lightning_drafts.callbacks.progress",
+    "DraftTQDMProgressBar": "lightning_drafts.callbacks.progress",
+    "PreemptionCheckpoint": "lightning_drafts.callbacks.preemption",
+    "ServedAcceptanceCallback": "lightning_drafts.workflows.served_acceptance",
+    "SlowStepsNotice": "lightning_drafts.callbacks.slow_steps",
+    "ThroughputCallback": "lightning_drafts.callbacks.throughput",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lightning_drafts.callbacks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
@@ -12,16 +11,15 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 from datasets.fingerprint import Hasher
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lightning_drafts.datamodules.chat_files import ChatRows, read_chat_files
 from lightning_drafts.datamodules.chat_format import Conversation, MalformedRow, read_conversation
 from lightning_drafts.datamodules.content_split import split_by_content
+from lightning_drafts.datamodules.data_files import load_data_files
 from lightning_drafts.datamodules.documents import LONG_DOCUMENT_POLICIES, Documents
 from lightning_drafts.datamodules.embedded import (
     embedded_corpus_dataset,
@@ -47,8 +45,6 @@ from lightning_drafts.datamodules.tokenizer_files import load_tokenizer
 from lightning_drafts.gguf import is_gguf, load_gguf_tokenizer
 
 logger = logging.getLogger("lightning_drafts.datamodules")
-
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 class PackedChatDataModule(LightningDataModule):
@@ -352,7 +348,7 @@ class PackedChatDataModule(LightningDataModule):
         if self.data_files is None:
             rows = embedded_corpus_dataset()
         else:
-            rows, _, read, _ = _load_chat_files(
+            rows, _, read, _ = load_data_files(
                 self.data_files, self.cache_dir, self.strict, self.chat_options.drop_media
             )
             if read is not None:
@@ -376,7 +372,7 @@ class PackedChatDataModule(LightningDataModule):
             rows, fingerprint = embedded_corpus_dataset(), embedded_corpus_fingerprint()
             locations = RowLocations(name="the embedded corpus")
         else:
-            rows, fingerprint, read, locations = _load_chat_files(
+            rows, fingerprint, read, locations = load_data_files(
                 files, self.cache_dir, self.strict, self.chat_options.drop_media
             )
             if read is not None:
@@ -618,71 +614,3 @@ def show_console(target: logging.Logger) -> None:
 
 def _field_note(field: str) -> str:
     return f" (field {field})" if field else ""
-
-
-def _load_chat_files(
-    files: str | os.PathLike | list, cache_dir: Path, strict: bool = False, drop_media: bool = False
-) -> tuple[datasets.Dataset, str, ChatRows | None, RowLocations]:
-    """The rows of ``files``, a fingerprint of the source, what the row-by-row reader rejected (``None``
-    for Parquet and hub datasets, which ``datasets`` reads whole), and where each row came from."""
-    paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
-    if not paths:
-        raise ValueError(
-            "data_files is an empty list; pass file paths, a hub id, or None for the embedded corpus"
-        )
-    paths = [str(path) for path in paths]
-    if len(paths) == 1 and _looks_like_hub_id(paths[0]):
-        rows = datasets.load_dataset(paths[0], split="train", cache_dir=str(cache_dir / "sources"))
-        return rows, rows._fingerprint, None, RowLocations(name=f"{paths[0]} (train split)")
-    builders = set()
-    for path in paths:
-        if Path(path).is_dir():
-            raise ValueError(_directory_given(Path(path)))
-        name = path.removesuffix(".gz")
-        builder = next((b for ext, b in _FILE_BUILDERS.items() if name.endswith(ext)), None)
-        if builder is None:
-            raise ValueError(f"data file {path!r} is not .json, .jsonl or .parquet; convert it or rename it")
-        if not glob.has_magic(path) and not Path(path).exists():
-            raise ValueError(f"data file {path!r} does not exist")
-        if glob.has_magic(path) and not glob.glob(path):
-            raise ValueError(f"data file pattern {path!r} matches no file")
-        builders.add(builder)
-    if len(builders) > 1:
-        raise ValueError(f"data_files {paths} mix JSON and Parquet; pass files of one format")
-    builder = builders.pop()
-    if builder != "json":
-        rows = datasets.load_dataset(
-            builder, data_files=paths, split="train", cache_dir=str(cache_dir / "sources")
-        )
-        # The datasets fingerprint of a loaded source hashes its files (paths, sizes, times).
-        return rows, rows._fingerprint, None, RowLocations.of_files(paths)
-    # JSON is read row by row, not by datasets' JSON builder: that one refuses a whole file for one bad
-    # line or byte without saying where, keeps the last of two equal keys silently, and fails on a file
-    # that mixes string contents with lists of content parts (chat_files).
-    expanded = sorted(
-        {Path(m) for path in paths for m in (glob.glob(path) if glob.has_magic(path) else [path])}
-    )
-    rows, fingerprint, read = read_chat_files(expanded, strict, drop_media)
-    return rows, fingerprint, read, RowLocations(name=", ".join(paths), listed=tuple(read.where))
-
-
-def _directory_given(directory: Path) -> str:
-    """Why a directory is not a data file, with the glob that reads the files it holds."""
-    counts: Counter = Counter()
-    for child in directory.iterdir():
-        name = child.name.removesuffix(".gz")
-        ext = next((ext for ext in _FILE_BUILDERS if name.endswith(ext)), None)
-        if child.is_file() and ext is not None:
-            counts[ext] += 1
-    held = ", ".join(f"{n} {ext} file{'s' if n > 1 else ''}" for ext, n in counts.most_common())
-    ext = counts.most_common(1)[0][0] if counts else ".jsonl"
-    return (
-        f"data file {str(directory)!r} is a directory (it holds {held or 'no .json, .jsonl or .parquet file'}); "
-        f"pass its files with a glob, data_files: {str(directory / ('*' + ext))!r}, or a list of files"
-    )
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    name = path.removesuffix(".gz")
-    known_suffix = any(name.endswith(ext) for ext in _FILE_BUILDERS)
-    return not known_suffix and not glob.has_magic(path) and not Path(path).exists()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_drafts.serving.family import DraftFamily
-from tests.builders import TINY_TARGETS
 from tests.families.family_case import registered
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.builders import TINY_TARGETS
+from tests.support.tiny_gguf import write_tiny_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Two threads on the 2-core machines CI runs on, shared among pytest-xdist's workers (one each when two run:
@@ -31,7 +31,7 @@ torch.set_flush_denormal(True)
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> tuple[Path, Path]:
     """``(tiny.gguf, its model as a Hugging Face folder)``: a tied tiny Llama written once per session
-    (:mod:`tests.tiny_gguf`); tests that change the file copy it first."""
+    (:mod:`tests.support.tiny_gguf`); tests that change the file copy it first."""
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf"))
 
 

@@ -17,7 +17,7 @@ import torch
 
 from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
 from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the module name it installs as (pyproject's package-dir).
@@ -141,6 +141,17 @@ def test_only_the_facade_imports_the_facade():
     graph = import_graph()
     importers = sorted(m for m, imported in graph.items() if "lightning_drafts" in imported)
     assert importers == [], importers
+
+
+def test_the_tests_folder_holds_tests_at_its_root_and_what_they_share_in_support():
+    # A helper at the root reads as a test module and hides among them; shared code lives in tests/support.
+    helpers = sorted(
+        p.name
+        for p in (ROOT / "tests").glob("*.py")
+        if not p.name.startswith("test_") and p.name not in {"__init__.py", "conftest.py"}
+    )
+    assert helpers == [], f"move these into tests/support/: {helpers}"
+    assert not list((ROOT / "tests" / "support").glob("test_*.py"))
 
 
 # Checkpoints and exports written by commit d429c0e, the flat layout before the layered package

@@ -1,4 +1,4 @@
-"""tests/scripts/gpu_paths.py, the GPU acceptance run, dry-run on a CPU: every check that has a CPU
+"""tools/gpu_paths.py, the GPU acceptance run, dry-run on a CPU: every check that has a CPU
 forward passes, the CUDA-only ones are reported SKIP with their reason, and the JSON report holds the
 versions, the device and each check's status, numbers and seconds; the time guard skips what would start
 after the budget."""
@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "gpu_paths.py"
+SCRIPT = ROOT / "tools" / "gpu_paths.py"
 CPU_CHECKS = {
     "auto_resolves_as_documented",
     "rope_tables_stay_float32",

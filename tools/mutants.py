@@ -85,7 +85,7 @@ def environment(copy: Path) -> dict[str, str]:
 def check_imports_from(copy: Path) -> None:
     """Refuse to run when the copy would import the working tree's code (a mutant there is never seen)."""
     probe = (
-        "import lightning_drafts, lightning_drafts.callbacks.served_acceptance as c, tests;"
+        "import lightning_drafts, lightning_drafts.workflows.served_acceptance as c, tests;"
         "print(lightning_drafts.__file__); print(c.__file__); print(tests.__file__)"
     )
     out = subprocess.run(

@@ -68,20 +68,6 @@ def decay_weights(length: int, gamma: float | None, device: torch.device | str |
     return torch.ones_like(steps) if gamma is None else torch.exp(-steps / gamma)
 
 
-def weighted_nll_sum(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
-    """``sum(nll * w)`` in fp32; ``weights`` already hold the validity mask (0 where not supervised)."""
-    nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    return (nll.view_as(labels) * weights).sum()
-
-
-def decayed_cross_entropy(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
-    """``sum(nll * w) / (sum(w) + 1e-6)`` over every chain of the micro-batch (NeMo's weighted mean).
-
-    One sum over all blocks of all documents is what makes a packed micro-batch give the padded value.
-    """
-    return weighted_nll_sum(logits, labels, weights) / (weights.sum() + LOSS_EPS)
-
-
 def sample_prefix_lengths(
     count: int,
     block_size: int,

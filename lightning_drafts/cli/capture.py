@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_drafts.cli.command_parser import CommandParser
-from lightning_drafts.cli.counts import positive_int
+from lightning_drafts.cli.arguments import CommandParser, positive_int
 from lightning_drafts.cli.process_group import end_process_group
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_drafts.cli.command_parser import CommandParser
+from lightning_drafts.cli.arguments import CommandParser
 
 DTYPES = ("float32", "bfloat16", "float16")
 

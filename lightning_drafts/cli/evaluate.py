@@ -22,8 +22,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_drafts.cli.command_parser import CommandParser
-from lightning_drafts.cli.counts import positive_int
+from lightning_drafts.cli.arguments import CommandParser, positive_int
 from lightning_drafts.cli.fit_config import read_config_with_overrides, target_spec
 from lightning_drafts.serving.evaluate import ENGINES
 from lightning_drafts.serving.export_files import read_export

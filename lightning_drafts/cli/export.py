@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_drafts.cli.command_parser import CommandParser
+from lightning_drafts.cli.arguments import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:

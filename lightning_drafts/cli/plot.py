@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_drafts.cli.command_parser import CommandParser
+from lightning_drafts.cli.arguments import CommandParser
 
 Series = list[tuple[int, float]]
 

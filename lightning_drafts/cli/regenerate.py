@@ -19,8 +19,7 @@ import argparse
 import json
 from typing import Any
 
-from lightning_drafts.cli.command_parser import CommandParser
-from lightning_drafts.cli.counts import positive_int
+from lightning_drafts.cli.arguments import CommandParser, positive_int
 from lightning_drafts.cli.fit_config import config_datamodule, read_config_with_overrides, target_spec
 from lightning_drafts.serving.progress import announce
 
@@ -64,13 +63,8 @@ def regenerate_main(args: list[str]) -> None:
         return
     if parsed.output is None:
         raise SystemExit("--output FILE.jsonl is required (or --check N to measure the data match only)")
-    from lightning_drafts.workflows.regenerate import (
-        RegenerateOptions,
-        Sampling,
-        TransformersEngine,
-        regenerate,
-        shard_path,
-    )
+    from lightning_drafts.serving.generate import AnswerSampling, TransformersEngine
+    from lightning_drafts.workflows.regenerate import RegenerateOptions, regenerate, shard_path
 
     torch.manual_seed(parsed.seed)
     worker, workers = _worker(parsed.worker)
@@ -80,8 +74,8 @@ def regenerate_main(args: list[str]) -> None:
     if parsed.engine == "vllm":
         from transformers import AutoConfig
 
+        from lightning_drafts.serving.generate import VLLMEngine
         from lightning_drafts.shipped import resolve_shipped
-        from lightning_drafts.workflows.regenerate import VLLMEngine
 
         if not isinstance(spec, str):
             raise SystemExit("--engine vllm serves a target directory or hub id, not a config-dict target")
@@ -92,7 +86,7 @@ def regenerate_main(args: list[str]) -> None:
         engine = TransformersEngine(frozen_target().model, datamodule.pad_token_id, stops)
         target_config = engine.model.config
     options = RegenerateOptions(
-        sampling=Sampling(parsed.temperature, parsed.top_p, parsed.max_new_tokens, parsed.seed),
+        sampling=AnswerSampling(parsed.temperature, parsed.top_p, parsed.max_new_tokens, parsed.seed),
         thinking=parsed.thinking,
         batch_size=parsed.batch_size,
         max_prompt_tokens=parsed.max_prompt_tokens,

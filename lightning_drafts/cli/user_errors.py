@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from lightning_drafts.cli.command_parser import UsageError
+from lightning_drafts.cli.arguments import UsageError
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "LIGHTNING_DRAFTS_DEBUG"

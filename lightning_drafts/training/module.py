@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_drafts.attention.backends import compiled_variants
+from lightning_drafts.callbacks.acceptance import AcceptanceCallback
 from lightning_drafts.core.batch import PackedBatch, validate_batch
 from lightning_drafts.core.checks import check_number
 from lightning_drafts.core.draft_output import DraftOutput
@@ -571,8 +572,6 @@ class DraftModule(L.LightningModule):
         return registered[key]
 
     def configure_callbacks(self) -> list[L.Callback]:
-        from lightning_drafts.callbacks.acceptance import AcceptanceCallback
-
         # A user-configured AcceptanceCallback wins; otherwise a module still logs acceptance on its own.
         if any(isinstance(cb, AcceptanceCallback) for cb in self.trainer.callbacks):
             return []

@@ -15,8 +15,8 @@ from lightning_drafts.attention.anchors import (
     sample_anchors,
 )
 from lightning_drafts.core.batch import validate_batch
-from tests.block_draft_cases import with_prompts
-from tests.builders import packed_row, padded_rows, random_docs, stack_rows
+from tests.support.block_draft_cases import with_prompts
+from tests.support.builders import packed_row, padded_rows, random_docs, stack_rows
 
 BLOCK = 4
 

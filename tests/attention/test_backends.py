@@ -14,7 +14,7 @@ from lightning_drafts.attention.backends import (
     resolve_backend,
 )
 from lightning_drafts.core.batch import validate_batch
-from tests.builders import packed_row, random_docs, stack_rows
+from tests.support.builders import packed_row, random_docs, stack_rows
 
 
 def packed_example():

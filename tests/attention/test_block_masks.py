@@ -14,7 +14,7 @@ from lightning_drafts.attention.block_masks import (
     dense_block_mask,
 )
 from lightning_drafts.core.batch import validate_batch
-from tests.builders import packed_row, padded_rows, random_docs, stack_rows
+from tests.support.builders import packed_row, padded_rows, random_docs, stack_rows
 
 BLOCK = 3
 CPU = torch.device("cpu")

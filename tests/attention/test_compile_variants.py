@@ -18,9 +18,9 @@ from torch._dynamo.testing import CompileCounter
 
 from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule, Eagle3Module, MLAEagle3Module
 from lightning_drafts.attention import backends
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, twins
-from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
-from tests.eagle3_checks import frequencies
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, twins
+from tests.support.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
+from tests.support.eagle3_checks import frequencies
 
 # Half of dynamo's recompile limit (8): the headroom a production run keeps for variants not seen here.
 HEADROOM = 4

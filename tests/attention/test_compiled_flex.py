@@ -29,7 +29,7 @@ def test_the_draft_entry_point_never_shares_the_targets_compile_cache():
     (transformers' compiled flex) and a draft call of another shape each compile once. Had the drafts
     compiled ``flex_attention`` itself, the draft call would be a recompile of the target's function and
     raise here. (CPU inductor compiles flex forward only, without the log-sum-exp: the drafts' entry with the
-    log-sum-exp, a function of its own too, compiles in tests/scripts/gpu_paths.py on CUDA, where the
+    log-sum-exp, a function of its own too, compiles in tools/gpu_paths.py on CUDA, where the
     compiled kernels' values are compared with SDPA's. Their values are not compared here: torch's CPU
     inductor flex kernel returns wrong values or NaN at some small row widths on AVX2 machines, a defect of
     that kernel, not of the caches this test is about.)"""

@@ -9,7 +9,7 @@ from lightning_drafts.attention.backends import block_causal_mask
 from lightning_drafts.attention.document_tiles import tile_block_causal_mask
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import validate_batch
-from tests.builders import packed_row, padded_rows, random_docs, stack_rows
+from tests.support.builders import packed_row, padded_rows, random_docs, stack_rows
 
 
 def rows() -> list:

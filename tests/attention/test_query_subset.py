@@ -16,7 +16,7 @@ from lightning_drafts.attention.query_subset import (
 )
 from lightning_drafts.core.batch import validate_batch
 from tests.attention.test_tiled_attention import dense_and_tiled
-from tests.builders import packed_row, random_docs, stack_rows
+from tests.support.builders import packed_row, random_docs, stack_rows
 
 
 def packed_batch():

@@ -17,8 +17,8 @@ from lightning_drafts.attention.block_masks import block_layout, dense_block_mas
 from lightning_drafts.attention.kv_heads import expand_kv_heads
 from lightning_drafts.attention.tiled import tile_dense_mask
 from lightning_drafts.core.batch import validate_batch
-from tests.builders import packed_row, random_docs, stack_rows
-from tests.float_bounds import reduction_bound
+from tests.support.builders import packed_row, random_docs, stack_rows
+from tests.support.float_bounds import reduction_bound
 
 
 def packed_doc_ids() -> torch.Tensor:

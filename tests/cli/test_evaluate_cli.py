@@ -15,10 +15,10 @@ from lightning_drafts import Eagle3Module
 from lightning_drafts.cli.main import main
 from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import export_module
-from tests.builders import TINY_TARGETS, random_docs
 from tests.families.cases import CASES, FAMILIES
 from tests.families.eagle3.cases import STEPS, perfect_module, perfect_prompts, repeating_target
 from tests.families.family_case import FamilyCase
+from tests.support.builders import TINY_TARGETS, random_docs
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

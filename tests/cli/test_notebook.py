@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.acceptance_reference import accept_len_by_definition
+from tests.support.acceptance_reference import accept_len_by_definition
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started" / "notebook.md"
 

@@ -13,7 +13,7 @@ from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.dflash.objectives import LOSS_TYPES
 from lightning_drafts.eagle3.step_objective import LK_LOSS_TYPES
 from lightning_drafts.training.module import DraftModule
-from tests.builders import packed_row, random_docs
+from tests.support.builders import packed_row, random_docs
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart"
 OPTIONS = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_drafts.core.batch import validate_batch, varlen_layout
-from tests.builders import packed_row, random_docs, stack_rows
+from tests.support.builders import packed_row, random_docs, stack_rows
 
 
 def nemo_example() -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_drafts.core.chunked_terms import chunk_bounds, over_chunks
-from tests.builders import assert_no_tensor_outlives
+from tests.support.builders import assert_no_tensor_outlives
 
 
 @pytest.mark.parametrize(("blocks", "size"), [(7, 3), (6, 3), (5, 1), (4, 9), (1, 2)])

@@ -11,7 +11,7 @@ import torch
 
 from lightning_drafts.core.output_lock import OutputInUse, exclusive_output, lock_path
 from lightning_drafts.serving.export_files import write_export
-from tests.lock_holder import held_by_another_process
+from tests.support.lock_holder import held_by_another_process
 
 
 def test_a_second_writer_is_refused_naming_the_first(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_drafts.core.row_blocks import ROWS, add_gathered_rows, row_blocks
-from tests.largest_gather import LargestGather
+from tests.support.largest_gather import LargestGather
 
 
 def test_row_blocks_cover_every_row_once_in_order():

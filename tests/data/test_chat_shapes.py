@@ -13,7 +13,7 @@ from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.chat_format import conversation_row, read_conversation
 from lightning_drafts.datamodules.datamodule import logger as data_logger
-from tests.chat_templates import (
+from tests.support.chat_templates import (
     WEATHER_TOOL,
     family_tokenizer,
     set_up,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chat_templates import AGENT, HELLO, WEATHER_TOOL, document_text, set_up, supervised_runs
+from tests.support.chat_templates import AGENT, HELLO, WEATHER_TOOL, document_text, set_up, supervised_runs
 
 QWEN3_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.builders import TINY_TARGETS
-from tests.hang_guard import HANG_GUARD_S
-from tests.probe_draft import NextTokenProbe
+from tests.support.builders import TINY_TARGETS
+from tests.support.hang_guard import HANG_GUARD_S
+from tests.support.probe_draft import NextTokenProbe
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIP = 0.05  # tests/scripts/distributed_grads.py's gradient_clip_val

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "objective_grads.py"

@@ -21,8 +21,8 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_drafts.datamodules import PackedChatDataModule
-from tests.hang_guard import HANG_GUARD_S
-from tests.step_recorder import document_digest
+from tests.support.hang_guard import HANG_GUARD_S
+from tests.support.step_recorder import document_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "preempted_fit.py"

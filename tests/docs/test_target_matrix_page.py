@@ -1,11 +1,11 @@
 """The target matrix page shows what the matrix test runs: its table is the one built from the test's own
-parametrisation (tests/target_matrix.py and the draft classes the test trains)."""
+parametrisation (tests/support/target_matrix.py and the draft classes the test trains)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.target_matrix import matrix_table
+from tests.support.target_matrix import matrix_table
 from tests.training.test_target_matrix import family_cells
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.family import DraftFamily
 from lightning_drafts.training.module import DraftModule
-from tests.block_draft_cases import to_padded
-from tests.builders import VOCAB
+from tests.support.block_draft_cases import to_padded
+from tests.support.builders import VOCAB
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ class FamilyCase:
 
     Attributes:
         module_class: the class (one of its family's ``DraftFamily.modules``).
-        targets: the ``tests.builders.TINY_TARGETS`` kinds it supports.
+        targets: the ``tests.support.builders.TINY_TARGETS`` kinds it supports.
         build: ``(target, **options) -> module``, tiny, every trainable weight moved off its initial value
             (identity / zero-initialised parts must be exercised, and exports must pass validation).
         trained: ``(target kind) -> module`` trained a few optimizer steps on a target with a sharpened LM

@@ -22,12 +22,12 @@ from lightning_drafts.core.chunked_terms import chunk_bounds
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.training.module import DraftModule
-from tests.block_draft_cases import BLOCK, holed_case, to_padded
-from tests.builders import TINY_TARGETS
 from tests.families.dflash.cases import build as build_dflash
 from tests.families.dspark.cases import build as build_dspark
-from tests.matmul_rows import RowsThrough
-from tests.output_checks import assert_same_output
+from tests.support.block_draft_cases import BLOCK, holed_case, to_padded
+from tests.support.builders import TINY_TARGETS
+from tests.support.matmul_rows import RowsThrough
+from tests.support.output_checks import assert_same_output
 
 GRADIENT_RTOL, GRADIENT_SCALED_ATOL = 1e-5, 1e-5
 TARGET = TINY_TARGETS["qwen3"]

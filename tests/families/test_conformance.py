@@ -40,8 +40,13 @@ from lightning_drafts.training.checkpoint_integrity import record_digests
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import export_checkpoint, validate_export
-from tests.block_draft_cases import ROWS, documents, twins, with_prompts
-from tests.builders import (
+from tests.cli.test_cli import short_fit
+from tests.core.test_batch import BAD_BATCHES
+from tests.families.cases import CASES, FAMILIES
+from tests.families.family_case import ROOT, FamilyCase, Tolerance
+from tests.families.probe import PROBE
+from tests.support.block_draft_cases import ROWS, documents, twins, with_prompts
+from tests.support.builders import (
     TINY_TARGETS,
     assert_no_tensor_outlives,
     assert_target_greedy,
@@ -51,11 +56,6 @@ from tests.builders import (
     rewrite_export,
     stack_rows,
 )
-from tests.cli.test_cli import short_fit
-from tests.core.test_batch import BAD_BATCHES
-from tests.families.cases import CASES, FAMILIES
-from tests.families.family_case import ROOT, FamilyCase, Tolerance
-from tests.families.probe import PROBE
 
 pytestmark = [
     # Tiny forwards (hundreds of them when decoding): a second thread only adds synchronisation.

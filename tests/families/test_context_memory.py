@@ -1,7 +1,7 @@
 """One training step of every draft on a 32k-token packed row, on the CPU, within a memory bound linear
 in the row width.
 
-Each draft is its quickstart config on the random tiny target of its shipped one (``tests/builders.py``),
+Each draft is its quickstart config on the random tiny target of its shipped one (``tests/support/builders.py``),
 trained for one step (target forward, draft, loss, backward, AdamW) on one packed row of 32,768 tokens
 in a fresh process (``tests/scripts/context_step.py``), so the measured peak is the step's own. Each
 bound is 1.5x the line ``peak = a + b * T`` that ``benchmarks/context_memory.py --targets tiny --widths

@@ -12,8 +12,8 @@ from lightning_drafts.attention.anchors import sample_anchors
 from lightning_drafts.attention.block_masks import block_layout, build_block_mask
 from lightning_drafts.blockdraft.draft import BlockDraft, draft_config
 from lightning_drafts.core.batch import validate_batch
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-from tests.matmul_rows import RowsThrough
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.matmul_rows import RowsThrough
 
 BLOCK = 8
 FEATURES = 2

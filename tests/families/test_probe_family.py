@@ -15,10 +15,10 @@ from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.family import DraftFamily
 from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import export_checkpoint, validate_export
-from tests.builders import TINY_TARGETS, random_docs, rewrite_export
 from tests.families.family_case import registered
 from tests.families.probe import PROBE, ProbeDraft
 from tests.families.probe.cases import build, trained
+from tests.support.builders import TINY_TARGETS, random_docs, rewrite_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REGISTERED = pytest.mark.parametrize("family", [PROBE], indirect=True, ids=["probe"])

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.block_draft_cases import perturb
 from tests.families.dspark.cases import MASK, make, trained_module
 from tests.families.eagle3 import vllm_cases
-from tests.vllm_subprocess import run_vllm_script
+from tests.support.block_draft_cases import perturb
+from tests.support.vllm_subprocess import run_vllm_script
 
 GATED = "dspark-specforge-gated"  # loaded, not compared with CASES: vLLM refuses it
 # Training-only tensors vLLM's loaders skip by name.

@@ -14,7 +14,7 @@ from lightning_drafts.datamodules.feature_store import FeatureStore
 from lightning_drafts.datamodules.loader import PackedEpochDataset
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.workflows.capture import capture_documents
-from tests.block_draft_cases import documents
+from tests.support.block_draft_cases import documents
 
 LENGTHS = [9, 6, 3, 11, 7, 10, 8]
 WIDTH = 24

@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 from lightning_drafts import DFlashModule, Eagle3Module
 from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules.feature_store import MANIFEST, FeatureStore
-from tests.builders import TINY_TARGETS
 from tests.families.family_case import ROOT
 from tests.families.test_conformance import run
 from tests.features.feature_cases import capture, corpus, first_batch, without_features
-from tests.hang_guard import HANG_GUARD_S
-from tests.lock_holder import held_by_another_process
+from tests.support.builders import TINY_TARGETS
+from tests.support.hang_guard import HANG_GUARD_S
+from tests.support.lock_holder import held_by_another_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,7 @@ from lightning_drafts.datamodules.loader import PackedEpochDataset
 from lightning_drafts.training.feature_cache import FeatureCache
 from tests.features.feature_cases import DATA, WIDTH, capture, corpus
 from tests.features.test_capture import eagle3
-from tests.lock_holder import held_by_another_process
+from tests.support.lock_holder import held_by_another_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,8 +9,8 @@ import torch
 
 from lightning_drafts import DFlashModule
 from lightning_drafts.datamodules.loader import PackedEpochDataset
-from tests.builders import TINY_TARGETS
 from tests.features.feature_cases import WIDTH, capture, corpus
+from tests.support.builders import TINY_TARGETS
 
 
 def test_workers_and_a_pickled_reader_give_the_main_process_batches(tmp_path):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lightning_drafts import DSparkModule
-from tests.builders import TINY_TARGETS
 from tests.families.cases import CASES, FAMILIES
 from tests.families.family_case import FamilyCase, Tolerance
 from tests.families.test_conformance import run
@@ -21,6 +20,7 @@ from tests.features.feature_cases import (
     refuse_target_forward,
     without_features,
 )
+from tests.support.builders import TINY_TARGETS
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -18,8 +18,8 @@ from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.training.target import FrozenTarget
-from tests.builders import packed_row, random_docs, stack_rows
-from tests.tiny_gguf import tiny_tied_llama, write_gguf
+from tests.support.builders import packed_row, random_docs, stack_rows
+from tests.support.tiny_gguf import tiny_tied_llama, write_gguf
 
 VOCAB = 2048
 LAYERS = (1, 14, 26)

@@ -348,8 +348,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "a rejected proposal is drawn again from p instead of the residual: sampled output no longer follows the target",
     ),
     Mutant(
+        "sampled-rounds-verified-at-temperature-one",
+        "lightning_drafts/serving/decode.py",
+        "probs = sampling.probabilities(target.logits(verified.last_hidden_state[context - 1 :]))",
+        "probs = Sampling(1.0, sampling.top_p).probabilities(target.logits(verified.last_hidden_state[context - 1 :]))",
+        (
+            "tests/serving/test_sampled_rounds.py::"
+            "test_each_sampled_round_emits_its_accepted_draft_tokens_and_accepts_with_the_targets_probability",
+        ),
+        "drafted tokens are verified against the untempered target: accepted as often as temperature 1 accepts",
+    ),
+    Mutant(
         "served-callback-logs-a-constant",
-        "callbacks/served_acceptance.py",
+        "lightning_drafts/workflows/served_acceptance.py",
         "return report.served.accept_len",
         "return 1.0",
         (

@@ -15,7 +15,6 @@ import torch
 
 from lightning_drafts import DFlash2Module, DFlashModule
 from lightning_drafts.blockdraft.objective import sample_prefix_lengths
-from tests.builders import TINY_TARGETS
 from tests.reference.compare import (
     assert_counts_equal,
     assert_gradients_equal,
@@ -25,6 +24,7 @@ from tests.reference.compare import (
     warm_up,
 )
 from tests.reference.nemo import dflash_reference
+from tests.support.builders import TINY_TARGETS
 
 BLOCK = 4
 COMMON = {"block_size": BLOCK, "num_draft_layers": 2, "num_anchors": 3, "draft_attn_backend": "sdpa"}

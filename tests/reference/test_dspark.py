@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lightning_drafts import DSparkModule
-from tests.builders import TINY_TARGETS
 from tests.reference.compare import (
     assert_gradients_equal,
     assert_loss_equal,
@@ -20,6 +19,7 @@ from tests.reference.compare import (
     warm_up,
 )
 from tests.reference.nemo import dspark_anchors, dspark_reference
+from tests.support.builders import TINY_TARGETS
 
 COMMON = {"block_size": 4, "num_draft_layers": 2, "markov_rank": 16, "draft_attn_backend": "sdpa"}
 # (target, options)

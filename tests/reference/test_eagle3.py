@@ -10,7 +10,6 @@ import torch
 
 from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.core.acceptance import prefix_counts
-from tests.builders import TINY_TARGETS
 from tests.reference.compare import (
     assert_counts_equal,
     assert_gradients_equal,
@@ -20,6 +19,7 @@ from tests.reference.compare import (
     warm_up,
 )
 from tests.reference.nemo import eagle3_reference
+from tests.support.builders import TINY_TARGETS
 
 # (module class, target, lk_loss_type, draft_vocab_size)
 CASES = {

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.hang_guard import HANG_GUARD_S
 from tests.reference.nemo import ENV_VAR, ROOT, load, reference_root
+from tests.support.hang_guard import HANG_GUARD_S
 
 PROBE = """
 import sys

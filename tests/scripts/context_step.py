@@ -4,7 +4,7 @@ Usage: context_step.py DRAFT WIDTH TARGETS [--device cpu|cuda] [--threads N] [--
 
 ``DRAFT`` is a quickstart config (``configs/quickstart/<draft>.yaml``: the draft's own settings);
 ``TARGETS`` is ``shipped`` (the config's shipped tiny trained target, documents of 64-768 tokens) or
-``tiny`` (the random tiny targets of ``tests/builders.py``, a 96-id vocabulary, documents of 64-256
+``tiny`` (the random tiny targets of ``tests/support/builders.py``, a 96-id vocabulary, documents of 64-256
 tokens; the draft vocabulary is the target's). The row packs documents of
 random lengths (seeded; the last one takes what is left), the first quarter of each unsupervised. The
 step is the target forward, the draft, the loss, its backward and one AdamW step. Prints one JSON line:
@@ -34,7 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.builders import TINY_TARGETS  # noqa: E402
+from tests.support.builders import TINY_TARGETS  # noqa: E402
 
 # The random tiny target of each draft's shipped one.
 TINY_OF_SHIPPED = {

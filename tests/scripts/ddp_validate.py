@@ -9,8 +9,8 @@ import lightning as L
 import torch
 
 from lightning_drafts.cli.process_group import end_process_group
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-from tests.probe_draft import NextTokenProbe
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.probe_draft import NextTokenProbe
 
 
 def loader() -> torch.utils.data.DataLoader:

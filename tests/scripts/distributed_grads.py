@@ -36,9 +36,9 @@ from lightning_drafts.cli.process_group import end_process_group
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.eagle3.module import MLAEagle3Module
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
-from tests.builders import TINY_TARGETS, packed_row, stack_rows
-from tests.cpu_fsdp1 import CPUFSDPStrategy
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents
+from tests.support.builders import TINY_TARGETS, packed_row, stack_rows
+from tests.support.cpu_fsdp1 import CPUFSDPStrategy
 
 EAGLE3 = ("eagle3", "mla_eagle3")
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 3}

@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_drafts.cli.process_group import end_process_group
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-from tests.probe_draft import NextTokenProbe
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.probe_draft import NextTokenProbe
 
 
 def loader() -> torch.utils.data.DataLoader:

@@ -21,9 +21,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, Eagle3Module
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
-from tests.builders import TINY_TARGETS, packed_row, stack_rows
 from tests.scripts.distributed_grads import exit_after_the_last_collective, strategy_of, whole
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents
+from tests.support.builders import TINY_TARGETS, packed_row, stack_rows
 
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 64}
 DRAFTS = {

@@ -1,5 +1,5 @@
 """A tiny fit of one family (eagle3, dflash, dflash2, dspark) through `lightning-drafts fit` on 1 or 2 CPU
-processes (gloo DDP), recorded step by step (tests/step_recorder.py), for the preemption and resume tests.
+processes (gloo DDP), recorded step by step (tests/support/step_recorder.py), for the preemption and resume tests.
 
 Usage: preempted_fit.py OUT_DIR FAMILY LAUNCH DEVICES MAX_STEPS [HOLD_AT_STEP UNTIL] [-- EXTRA FIT ARGS]
 
@@ -50,7 +50,7 @@ def config(out: Path, family: str, launch: str, devices: int, max_steps: int, ho
     )
     callbacks.append(
         {
-            "class_path": "tests.step_recorder.StepRecorder",
+            "class_path": "tests.support.step_recorder.StepRecorder",
             "init_args": {"out": str(out), "launch": launch, "hold_at_step": hold, "until": until},
         }
     )

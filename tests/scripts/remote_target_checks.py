@@ -38,7 +38,7 @@ from lightning_drafts.core.digest import state_digest
 from lightning_drafts.training.remote_target import start_local_ray
 from lightning_drafts.training.target_worker import TargetWorker
 from lightning_drafts.workflows.capture import capture_features
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 STEPS = 4
 # Steps of the 2-rank runs.

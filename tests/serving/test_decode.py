@@ -13,8 +13,8 @@ from lightning_drafts.serving.decode import greedy_generate, speculative_generat
 from lightning_drafts.serving.family import Speculator, VerifiedPrefix
 from lightning_drafts.serving.prompts import load_prompts_jsonl, prompts_from_batch
 from lightning_drafts.training.target import FrozenTarget
-from tests.builders import VOCAB, packed_row, random_docs, stack_rows
 from tests.families.eagle3.cases import sharpened_target
+from tests.support.builders import VOCAB, packed_row, random_docs, stack_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,8 +12,8 @@ from lightning_drafts.serving.decode import greedy_generate, speculative_generat
 from lightning_drafts.serving.draft_tree import DraftTree, TreeShape, TreeSpeculator, grow_tree
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.training.target import FrozenTarget
-from tests.builders import VOCAB, random_docs
 from tests.families.eagle3.cases import sharpened_target
+from tests.support.builders import VOCAB, random_docs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,8 +17,8 @@ from lightning_drafts.cli.main import main
 from lightning_drafts.core.digest import value_digest
 from lightning_drafts.serving.export_files import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from lightning_drafts.workflows.export import export_checkpoint, load_draft_checkpoint
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-from tests.probe_draft import NextTokenProbe
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.probe_draft import NextTokenProbe
 
 ROOT = Path(__file__).resolve().parents[2]
 # A DFlash checkpoint written by an earlier release (no digest): it must still export.

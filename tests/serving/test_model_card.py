@@ -26,8 +26,8 @@ from lightning_drafts.serving.model_card import (
     update_results,
 )
 from lightning_drafts.workflows.export import export_module
-from tests.builders import TINY_TARGETS
 from tests.families.cases import CASES
+from tests.support.builders import TINY_TARGETS
 
 # (module class name, layout, its card tag, vLLM method, SGLang algorithm or None, proposals from the
 # module, SGLang's --speculative-num-draft-tokens from the proposals). Written from the engines' docs and

@@ -16,11 +16,11 @@ from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.prompts import prompts_from_batch
 from lightning_drafts.workflows.evaluate import evaluate_export
-from tests.builders import TINY_TARGETS, PromptRows, packed_row
 from tests.families.cases import CASES, FAMILIES
 from tests.families.dflash.cases import perfect_module as perfect_dflash
 from tests.families.dspark.cases import perfect_module as perfect_dspark
 from tests.families.family_case import FamilyCase
+from tests.support.builders import TINY_TARGETS, PromptRows, packed_row
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -21,13 +21,13 @@ from lightning_drafts.serving.decode import greedy_generate
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import validate_export
-from tests.builders import VOCAB, rewrite_export
 from tests.families.cases import CASES
 from tests.families.dflash.cases import perfect_module as perfect_dflash
 from tests.families.dflash.cases import repeated_prompts
 from tests.families.dspark.cases import perfect_module as perfect_dspark
 from tests.families.eagle3.cases import perfect_module as perfect_eagle3
 from tests.families.eagle3.cases import perfect_prompts
+from tests.support.builders import VOCAB, rewrite_export
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -10,7 +10,6 @@ test (about 20 s on a 2-core CPU; the prompt-set test runs three engines in it, 
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 from pathlib import Path
@@ -24,7 +23,6 @@ from lightning_drafts.serving.sampling import Sampling
 from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.shipped import resolve_shipped
 from lightning_drafts.workflows.evaluate import evaluate_export
-from tests.hang_guard import HANG_GUARD_S
 from tests.serving.vllm_cases import (
     BLOCK,
     MAX_NEW_TOKENS,
@@ -34,7 +32,8 @@ from tests.serving.vllm_cases import (
     tied_target,
     trained_export,
 )
-from tests.vllm_subprocess import vllm_python as find_vllm_python
+from tests.support.hang_guard import HANG_GUARD_S
+from tests.support.vllm_subprocess import vllm_python as find_vllm_python
 
 # family -> (target kind, num_steps). MLA-EAGLE-3 is served by the same engine in
 # tests/families/eagle3/test_mla_vllm.py, against a DeepSeek-V3 target of its own (YaRN, MoE routing).
@@ -94,31 +93,24 @@ def test_vllm_serves_what_evaluate_measures(case, vllm_python, tmp_path_factory,
     assert 0 < builtin.served.hits[0] < builtin.rounds, builtin.served.hits
 
 
-def test_vllm_samples_with_the_acceptance_the_built_in_decode_measures(vllm_python, tmp_path, one_thread):
-    """At temperature 1 the two engines draw different numbers (vLLM's per-request generators, torch's) from
-    the same rule (accept a drafted token x with probability p(x), drafts being deterministic), so their
-    acceptance at each drafted position agrees within the sampling error of the two counts."""
+def test_vllm_samples_at_a_temperature_and_counts_its_rounds(vllm_python, tmp_path, one_thread):
+    """``--engine vllm`` with sampling: vLLM samples (its text is not the greedy text), its rounds are its own
+    counters', and it accepts far less than greedy decoding does at the first drafted position.
+
+    Its acceptance is not compared with the built-in decode's: vLLM 0.32's CPU build reports, in sampled
+    rounds, rejections after which it emits the very token the draft proposed (impossible under the rule,
+    which draws a rejected round's token from p without it), and its counts for one seed and prompt set move
+    from run to run (docs/guides/serving.md#sampling). The built-in decode's sampled rounds are checked
+    against the rule itself in tests/serving/test_sampled_rounds.py."""
     export = trained_export("eagle3", TARGETS["llama"], tmp_path / "export")
-    # Many short decodes: a long sampled text wanders into easy or hard stretches, so its rounds are not
-    # independent draws; 48 prompts of 8 new tokens keep the counts close to binomial.
     sampled = [prompt for seed in range(1, 9) for prompt in prompts(seed=seed)]
     options = {"target": TARGETS["llama"], "max_new_tokens": 8, "num_steps": 3, "seed": 7}
     options |= {"stop_token_ids": [], "with_training_estimate": False, "sampling": Sampling(temperature=1.0)}
-    builtin = evaluate_export(export, sampled, **options)
     served = evaluate_export(export, sampled, engine="vllm", vllm_python=vllm_python, **options)
     assert served.rounds == served.engine_info["rounds"] and served.sampling == Sampling(temperature=1.0)
     greedy = evaluate_export(export, sampled, **{**options, "sampling": None})
-    assert served.generations != greedy.generations and builtin.generations != greedy.generations
-    for k in range(3):
-        # Each engine's share of rounds accepting the first k + 1 drafted tokens; the difference of two
-        # independent binomial shares has the variance below (the pooled share for p): 4 standard errors.
-        n1, n2 = builtin.rounds, served.rounds
-        hits1, hits2 = builtin.served.hits[k], served.served.hits[k]
-        pooled = (hits1 + hits2) / (n1 + n2)
-        bound = 4 * math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-        assert abs(hits1 / n1 - hits2 / n2) <= bound, (k, hits1, n1, hits2, n2, bound)
-    # Not a trivial agreement: sampling accepts far less than greedy decoding at the first position (an
-    # engine that ignored the temperature would accept as greedy does, 0.3 above the sampled share).
+    assert served.generations != greedy.generations
+    # An engine that ignored the temperature would accept as greedy decoding does, 0.3 above the sampled share.
     assert served.served.hits[0] / served.rounds < greedy.served.hits[0] / greedy.rounds - 0.1, (
         served.served.hits,
         served.rounds,

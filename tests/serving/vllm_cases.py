@@ -20,7 +20,7 @@ from lightning_drafts import DFlash2Module, DFlashModule, DSparkModule, Eagle3Mo
 from lightning_drafts.serving.decode import greedy_generate
 from lightning_drafts.shipped import MASK_TOKEN_ID, SPECIAL_TOKENS, resolve_shipped
 from lightning_drafts.training.module import DraftModule
-from tests.builders import packed_row, stack_rows
+from tests.support.builders import packed_row, stack_rows
 
 TARGETS = {"llama": "shipped:tiny-llama", "qwen3": "shipped:tiny-qwen3"}
 # The tied variants (``<kind>-tied``) are written by :func:`tied_target` into a test's directory.

@@ -24,7 +24,7 @@ from lightning_drafts.shipped import (
     shipped_target_path,
 )
 from lightning_drafts.training.target import build_causal_lm
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 # vLLM 0.32's CPU attention runs these head sizes; its CPU MLA kernel only a 512 + 64 latent.

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from lightning_drafts import Eagle3Module
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 
 STEPS = 10
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "recipes").glob("*.yaml"))

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.training.decoderless import load_without_decoder
 from lightning_drafts.training.target import FrozenTarget
-from tests.builders import packed_row, random_docs, stack_rows
+from tests.support.builders import packed_row, random_docs, stack_rows
 
 
 def saved(config: dict, directory) -> str:

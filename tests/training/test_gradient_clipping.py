@@ -14,8 +14,8 @@ from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-from tests.probe_draft import NextTokenProbe
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.probe_draft import NextTokenProbe
 
 
 def loader() -> torch.utils.data.DataLoader:

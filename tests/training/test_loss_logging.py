@@ -7,7 +7,7 @@ import lightning as L
 import torch
 
 from lightning_drafts import Eagle3Module
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 
 
 def batch(lengths: list[int], seed: int, supervised: bool = True) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_drafts.callbacks import ThroughputCallback
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
-from tests.probe_draft import NextTokenProbe
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
+from tests.support.probe_draft import NextTokenProbe
 
 
 def batches(count: int = 4, distinct: bool = True) -> list[dict]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_drafts.training.unit_ledger import Unit, UnitLedger
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "remote_target_checks.py"

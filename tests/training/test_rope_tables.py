@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_drafts.attention.backends import block_causal_mask
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.training.target import ROPE_TABLES, FrozenTarget, build_causal_lm
-from tests.builders import TINY_TARGETS, packed_row, random_docs
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs
 
 LONG = 4096
 
@@ -160,8 +160,8 @@ def test_the_drafts_rope_tables_undo_an_in_place_buffer_cast(family):
     drafts' ``_apply``: the draft must still rotate with its float32 table (the one vLLM serves with), so its
     loss equals that of a draft never cast, exactly (everything else is float32 here)."""
     from lightning_drafts import DFlashModule, Eagle3Module
-    from tests.block_draft_cases import BLOCK, MASK_TOKEN, twins
-    from tests.eagle3_checks import frequencies
+    from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, twins
+    from tests.support.eagle3_checks import frequencies
 
     def build():
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.training.target import FrozenTarget, default_capture_layers
-from tests.builders import TINY_TARGETS, layers_run, packed_row, padded_rows, random_docs, stack_rows
+from tests.support.builders import TINY_TARGETS, layers_run, packed_row, padded_rows, random_docs, stack_rows
 
 CPU_BACKENDS = ("sdpa", "eager", "flex")
 LAYERS = (1, 3, 6)
@@ -168,7 +168,7 @@ def test_the_state_dict_leaves_out_the_whole_target_and_loading_neither_asks_for
     state dict holds the draft only; the wrapped model's own state dict is whole; a draft-only state dict
     loads strictly, one missing a draft key does not; a state dict that still holds target keys (a checkpoint
     written before they were left out) loads its draft and leaves the target's weights as built."""
-    from tests.probe_draft import NextTokenProbe
+    from tests.support.probe_draft import NextTokenProbe
 
     module = NextTokenProbe(TINY_TARGETS["llama"])
     assert sorted(module.state_dict()) == ["head.bias", "head.weight"]

@@ -1,4 +1,4 @@
-"""The target matrix: every architecture drafts are trained for (tests/target_matrix.py), on every CPU
+"""The target matrix: every architecture drafts are trained for (tests/support/target_matrix.py), on every CPU
 attention path of the frozen target, keeps packed documents apart exactly as the model computes each document
 alone (sliding windows, chunks, attention sinks, linear-attention state, MoE routing), or refuses the target
 in one line naming the layer kind and the path that can; every draft family trains a step on each."""
@@ -13,9 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.training.target import FrozenTarget
-from tests.builders import packed_row, random_docs
 from tests.families.cases import CASES
-from tests.target_matrix import (
+from tests.support.builders import packed_row, random_docs
+from tests.support.target_matrix import (
     ARCHITECTURES,
     FAMILY_REFUSAL,
     LAYERS,
@@ -30,12 +30,12 @@ from tests.target_matrix import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAYER_IDS = tuple(range(LAYERS))
-# Three documents longer than the window / chunk (tests.target_matrix.WINDOW), in a row with padding after.
+# Three documents longer than the window / chunk (tests.support.target_matrix.WINDOW), in a row with padding after.
 LENGTHS = (7, 9, 6)
 WIDTH = 26
 # float32 against a float64 evaluation of the same model: each layer runs about six reductions (norm, q/k/v,
 # scores, attention-weighted values, o_proj, MLP up and down) of at most 64 terms, each within
-# 2 * n * u = 7.6e-6 of the row's magnitude (tests.float_bounds.reduction_bound); over the layers and the
+# 2 * n * u = 7.6e-6 of the row's magnitude (tests.support.float_bounds.reduction_bound); over the layers and the
 # final norm that is 1.4e-4 of the largest feature of the token. A document that reads another one, or a
 # window not applied, moves its features by a tenth of their size or more.
 ROUNDING = (LAYERS + 1) * 6 * 2 * 64 * torch.finfo(torch.float32).eps / 2

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_drafts import DFlashModule
-from tests.acceptance_reference import accept_len_by_definition
-from tests.builders import packed_row
 from tests.families.dflash.cases import perfect_module
+from tests.support.acceptance_reference import accept_len_by_definition
+from tests.support.builders import packed_row
 
 
 def skip_holes_by_definition(outputs) -> float:

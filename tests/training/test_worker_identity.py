@@ -9,7 +9,7 @@ import pytest
 from lightning_drafts import Eagle3Module
 from lightning_drafts.training.target_worker import TargetWorker
 from lightning_drafts.training.worker_identity import fingerprint_mismatch, identity_mismatch
-from tests.builders import TINY_TARGETS
+from tests.support.builders import TINY_TARGETS
 
 # Every field a trainer's features depend on, written out here (not read from the code under test): the
 # target's config, dtype, sizes, embedding / LM-head digest and GGUF file digest; the captured layers and

@@ -18,7 +18,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_drafts.datamodules.embedded import embedded_corpus_rows
-from tests.hang_guard import HANG_GUARD_S
+from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "real_model.py"

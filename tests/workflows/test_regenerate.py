@@ -19,21 +19,19 @@ from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.chat_format import read_conversation
 from lightning_drafts.serving.decode import greedy_generate
+from lightning_drafts.serving.generate import AnswerSampling, Request, TransformersEngine
 from lightning_drafts.serving.vllm_engine import VLLMRunError
 from lightning_drafts.training.data_match import DataMatch, target_match
 from lightning_drafts.training.target import FrozenTarget
 from lightning_drafts.workflows.regenerate import (
     RegenerateOptions,
-    Request,
-    Sampling,
-    TransformersEngine,
     merge_shards,
     metadata_path,
     regenerate,
     shard_path,
 )
-from tests.chat_templates import AGENT, HELLO, supervised_runs, template
-from tests.lock_holder import held_by_another_process
+from tests.support.chat_templates import AGENT, HELLO, supervised_runs, template
+from tests.support.lock_holder import held_by_another_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = "shipped:tiny-llama"
@@ -72,7 +70,7 @@ def engine(target: FrozenTarget, datamodule: PackedChatDataModule) -> Transforme
     return TransformersEngine(target.model, datamodule.pad_token_id, [datamodule.tokenizer.eos_token_id])
 
 
-OPTIONS = RegenerateOptions(Sampling(max_new_tokens=12), batch_size=2)
+OPTIONS = RegenerateOptions(AnswerSampling(max_new_tokens=12), batch_size=2)
 
 
 def test_batched_greedy_generation_equals_the_targets_own_greedy_decode(target, chats, tmp_path):
@@ -84,7 +82,7 @@ def test_batched_greedy_generation_equals_the_targets_own_greedy_decode(target, 
     ]
     prompts.append(prompts[1][:3])
     generated = engine(target, data(chats, tmp_path))(
-        [Request(p, 0) for p in prompts], Sampling(max_new_tokens=10)
+        [Request(p, 0) for p in prompts], AnswerSampling(max_new_tokens=10)
     )
     eos = tokenizer.eos_token_id
     for prompt, tokens in zip(prompts, generated, strict=True):
@@ -232,7 +230,7 @@ def test_tool_calls_skip_leaves_agent_conversations_out_counted(target, tmp_path
     files = tmp_path / "agent.jsonl"
     files.write_text(json.dumps(HELLO) + "\n" + json.dumps(AGENT) + "\n")
     datamodule = data(files, tmp_path, chat_template=template("qwen3"))
-    options = RegenerateOptions(Sampling(max_new_tokens=4), batch_size=2, tool_calls="skip")
+    options = RegenerateOptions(AnswerSampling(max_new_tokens=4), batch_size=2, tool_calls="skip")
     with pytest.warns(UserWarning, match=r"\{\"tool calls \(tool_calls='skip'\)\": 1\}"):
         meta = regenerate(
             datamodule, engine(target, datamodule), tmp_path / "out.jsonl", options, progress=False
@@ -333,7 +331,7 @@ def test_sampled_answers_depend_on_the_seed_not_on_the_batch(target, chats, tmp_
     runs = {}
     for name, batch_size, seed in (("a", 1, 5), ("b", 3, 5), ("c", 3, 6)):
         options = RegenerateOptions(
-            Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed), batch_size=batch_size
+            AnswerSampling(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed), batch_size=batch_size
         )
         with pytest.warns(UserWarning):
             regenerate(
@@ -355,17 +353,17 @@ def test_bad_requests_are_refused_with_the_fix(target, chats, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         regenerate(datamodule, engine(target, datamodule), tmp_path / "none.jsonl", OPTIONS, resume=True)
     with pytest.raises(ValueError, match="temperature = -1"):
-        Sampling(temperature=-1)
+        AnswerSampling(temperature=-1)
     with pytest.raises(ValueError, match=r"worker = \(2, 2\)"):
         regenerate(datamodule, engine(target, datamodule), tmp_path / "w.jsonl", OPTIONS, worker=(2, 2))
-    short = RegenerateOptions(Sampling(max_new_tokens=4), max_prompt_tokens=12)
+    short = RegenerateOptions(AnswerSampling(max_new_tokens=4), max_prompt_tokens=12)
     with pytest.warns(UserWarning, match="prompt longer than max_prompt_tokens=12"):
         meta = regenerate(datamodule, engine(target, datamodule), tmp_path / "s.jsonl", short, progress=False)
     assert meta["counts"]["skipped"]["prompt longer than max_prompt_tokens=12"] >= 1
     with pytest.raises(
         ValueError, match="context_tokens = 8 leaves no room for a prompt with max_new_tokens = 8"
     ):
-        RegenerateOptions(Sampling(max_new_tokens=8), context_tokens=8)
+        RegenerateOptions(AnswerSampling(max_new_tokens=8), context_tokens=8)
 
 
 def test_a_turn_that_does_not_fit_the_targets_context_is_counted_not_generated(target, chats, tmp_path):
@@ -380,7 +378,7 @@ def test_a_turn_that_does_not_fit_the_targets_context_is_counted_not_generated(t
             text = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
             prompts.append(len(tokenizer(text, add_special_tokens=False).input_ids))
     context = min(prompts) + 4 + 1  # room for the shortest first turn and 4 new tokens, not for the longer
-    options = RegenerateOptions(Sampling(max_new_tokens=4), context_tokens=context)
+    options = RegenerateOptions(AnswerSampling(max_new_tokens=4), context_tokens=context)
     reason = f"prompt + max_new_tokens=4 longer than the target's context ({context} tokens)"
     with pytest.warns(UserWarning, match=re.escape(reason)):
         meta = regenerate(
@@ -398,7 +396,7 @@ def test_a_conversation_ends_at_the_first_turn_past_max_conversation_tokens(targ
     """Turns whose prompt already holds max_conversation_tokens (where training truncates) are not
     generated: the row keeps the turns before, as the unbounded run wrote them, and is counted."""
     datamodule = data(chats, tmp_path)
-    options = RegenerateOptions(Sampling(max_new_tokens=4), batch_size=3)
+    options = RegenerateOptions(AnswerSampling(max_new_tokens=4), batch_size=3)
     with pytest.warns(UserWarning):
         regenerate(datamodule, engine(target, datamodule), tmp_path / "all.jsonl", options, progress=False)
     full = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
@@ -409,7 +407,7 @@ def test_a_conversation_ends_at_the_first_turn_past_max_conversation_tokens(targ
         text = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
         first_prompts.append(len(tokenizer(text, add_special_tokens=False).input_ids))
     bound = max(first_prompts) + 1  # every first turn fits; every second turn's prompt is longer
-    bounded = RegenerateOptions(Sampling(max_new_tokens=4), batch_size=3, max_conversation_tokens=bound)
+    bounded = RegenerateOptions(AnswerSampling(max_new_tokens=4), batch_size=3, max_conversation_tokens=bound)
     with pytest.warns(UserWarning):
         meta = regenerate(
             datamodule, engine(target, datamodule), tmp_path / "b.jsonl", bounded, progress=False
@@ -432,7 +430,7 @@ def test_the_data_match_is_total_on_regenerated_answers_and_fit_logs_it(target, 
     output = tmp_path / "answers.jsonl"
     # Room for every turn to end where the target ends it (a turn cut at max_new_tokens gets an end of turn
     # the target did not choose, and is counted).
-    options = RegenerateOptions(Sampling(max_new_tokens=64), batch_size=4)
+    options = RegenerateOptions(AnswerSampling(max_new_tokens=64), batch_size=4)
     with pytest.warns(UserWarning):
         meta = regenerate(datamodule, engine(target, datamodule), output, options, progress=False)
     assert meta["counts"]["turns_cut_at_max_new_tokens"] == 0
@@ -488,12 +486,12 @@ def test_the_cli_regenerates_checks_and_refuses_an_existing_output(chats, tmp_pa
 def test_vllm_regenerates_the_same_answers_as_the_transformers_engine(target, chats, tmp_path):
     """A real vLLM engine (its own environment, built by .ci/vllm-env) writes the same file, token for
     token, as the built-in engine at temperature 0."""
+    from lightning_drafts.serving.generate import VLLMEngine
     from lightning_drafts.shipped import resolve_shipped
-    from lightning_drafts.workflows.regenerate import VLLMEngine
-    from tests.vllm_subprocess import vllm_python
+    from tests.support.vllm_subprocess import vllm_python
 
     datamodule = data(chats, tmp_path)
-    options = RegenerateOptions(Sampling(max_new_tokens=12), batch_size=len(CONVERSATIONS))
+    options = RegenerateOptions(AnswerSampling(max_new_tokens=12), batch_size=len(CONVERSATIONS))
     eos = [datamodule.tokenizer.eos_token_id]
     files = {name: tmp_path / f"{name}.jsonl" for name in ("transformers", "vllm")}
     with VLLMEngine(resolve_shipped(TARGET), eos, vllm_python()) as vllm:
@@ -506,9 +504,9 @@ def test_vllm_regenerates_the_same_answers_as_the_transformers_engine(target, ch
 def test_vllm_sampled_answers_depend_on_the_seed_not_on_the_batch(chats, tmp_path):
     """Sampled turns under vLLM: one engine for the whole run, each turn drawn by vLLM's own generator
     under the turn's seed, so the file does not depend on how rows were batched."""
+    from lightning_drafts.serving.generate import VLLMEngine
     from lightning_drafts.shipped import resolve_shipped
-    from lightning_drafts.workflows.regenerate import VLLMEngine
-    from tests.vllm_subprocess import vllm_python
+    from tests.support.vllm_subprocess import vllm_python
 
     datamodule = data(chats, tmp_path)
     eos = [datamodule.tokenizer.eos_token_id]
@@ -516,14 +514,15 @@ def test_vllm_sampled_answers_depend_on_the_seed_not_on_the_batch(chats, tmp_pat
     with VLLMEngine(resolve_shipped(TARGET), eos, vllm_python()) as vllm:
         for name, batch_size, seed in (("a", 1, 5), ("b", 4, 5), ("c", 4, 6)):
             options = RegenerateOptions(
-                Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed), batch_size=batch_size
+                AnswerSampling(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed),
+                batch_size=batch_size,
             )
             with pytest.warns(UserWarning, match="empty user turn"):
                 regenerate(datamodule, vllm, tmp_path / f"{name}.jsonl", options, progress=False)
             runs[name] = (tmp_path / f"{name}.jsonl").read_text()
         # A call vLLM refuses (a prompt past the target's context) is raised with vLLM's own reason.
         with pytest.raises(VLLMRunError, match="maximum context length"):
-            vllm([Request([1] * 5000, 0)], Sampling(max_new_tokens=4))
+            vllm([Request([1] * 5000, 0)], AnswerSampling(max_new_tokens=4))
     assert runs["a"] == runs["b"]
     assert runs["a"] != runs["c"]
 

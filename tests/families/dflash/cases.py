@@ -6,9 +6,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lightning_drafts import DFlash2Module, DFlashModule
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, perturb
-from tests.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 from tests.families.family_case import ROOT, FamilyCase, anchor_inputs, padded_anchor_inputs
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, perturb
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs, stack_rows
 
 MASK = MASK_TOKEN  # reserved: never in a prompt or a training document
 EOS = 1

@@ -15,10 +15,10 @@ from lightning_drafts import DFlashModule
 from lightning_drafts.attention.anchors import sample_anchors
 from lightning_drafts.attention.block_masks import block_layout
 from lightning_drafts.blockdraft.draft import default_target_layer_ids
-from lightning_drafts.blockdraft.objective import block_targets, decay_weights, decayed_cross_entropy
+from lightning_drafts.blockdraft.objective import LOSS_EPS, block_targets, decay_weights
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash import load_exported_draft
-from tests.block_draft_cases import (
+from tests.support.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,
     ROWS,
@@ -29,7 +29,7 @@ from tests.block_draft_cases import (
     twins,
     with_prompts,
 )
-from tests.builders import TINY_TARGETS, layers_run, packed_row, stack_rows
+from tests.support.builders import TINY_TARGETS, layers_run, packed_row, stack_rows
 
 
 def make(**kwargs) -> DFlashModule:
@@ -92,6 +92,12 @@ def test_block_targets_are_same_position_labels_masked_by_supervision():
     assert torch.equal(targets.labels[:, :2], torch.stack([ids[2:4], ids[4:6], ids[8:10]]))
     assert targets.valid[:, 2].logical_not().all()
     assert targets.slots.tolist()[0] == [2, 3, 3]
+
+
+def decayed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    # The block objectives' weighted mean: one sum over every chain of the micro-batch (NeMo's form).
+    nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return (nll.view_as(labels) * weights).sum() / (weights.sum() + LOSS_EPS)
 
 
 def test_decayed_cross_entropy_equals_a_naive_weighted_mean():

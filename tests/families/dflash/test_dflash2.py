@@ -18,7 +18,7 @@ from lightning_drafts.core.acceptance import acceptance_length, prefix_counts
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash import load_exported_draft
 from lightning_drafts.dflash.path_selector import CandidateSelector, selector_cross_entropy
-from tests.block_draft_cases import (
+from tests.support.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,
     ROWS,
@@ -27,7 +27,7 @@ from tests.block_draft_cases import (
     run,
     twins,
 )
-from tests.builders import TINY_TARGETS, VOCAB
+from tests.support.builders import TINY_TARGETS, VOCAB
 
 
 def make(cls=DFlash2Module, **kwargs):

@@ -20,8 +20,6 @@ from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.dflash.speculate import load_speculator
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.workflows.export import validate_export
-from tests.block_draft_cases import BLOCK
-from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
 from tests.families.dflash.cases import (
     EOS,
     FAMILIES,
@@ -31,6 +29,8 @@ from tests.families.dflash.cases import (
     sharpened_target,
     trained_module,
 )
+from tests.support.block_draft_cases import BLOCK
+from tests.support.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

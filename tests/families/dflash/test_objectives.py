@@ -24,7 +24,7 @@ from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.gold_nll import nll_and_argmax
 from lightning_drafts.dflash.objectives import LOSS_TYPES, BlockObjective, dpace_weights
-from tests.block_draft_cases import (
+from tests.support.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,
     documents,
@@ -34,7 +34,7 @@ from tests.block_draft_cases import (
     supervise_holes,
     to_padded,
 )
-from tests.builders import TINY_TARGETS, VOCAB, assert_no_tensor_outlives, packed_row, stack_rows
+from tests.support.builders import TINY_TARGETS, VOCAB, assert_no_tensor_outlives, packed_row, stack_rows
 
 DPACE = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 
 from lightning_drafts import DSparkModule
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, perturb
-from tests.builders import VOCAB
 from tests.families.dflash.cases import (
     LAST_LAYER,
     MASK,
@@ -15,6 +13,8 @@ from tests.families.dflash.cases import (
     training_batch,
 )
 from tests.families.family_case import ROOT, FamilyCase, anchor_inputs, padded_anchor_inputs
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, perturb
+from tests.support.builders import VOCAB
 
 RANK = 8
 MAX_ACCEPT = BLOCK + 1  # slot k proposes anchor + k + 1: K proposals, plus the target's bonus token

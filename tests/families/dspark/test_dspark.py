@@ -25,7 +25,7 @@ from lightning_drafts.dspark.eval_mask import block_supervision, build_eval_mask
 from lightning_drafts.dspark.markov_head import MarkovHead
 from lightning_drafts.dspark.metrics import acceptance_sums
 from lightning_drafts.dspark.objective import acceptance_probability, distribution_terms
-from tests.block_draft_cases import (
+from tests.support.block_draft_cases import (
     BLOCK,
     MASK_TOKEN,
     ROWS,
@@ -36,8 +36,8 @@ from tests.block_draft_cases import (
     twins,
     with_prompts,
 )
-from tests.builders import TINY_TARGETS, packed_row, stack_rows
-from tests.largest_gather import LargestGather
+from tests.support.builders import TINY_TARGETS, packed_row, stack_rows
+from tests.support.largest_gather import LargestGather
 
 T, F = True, False
 LAYERS = [1, 4, 6]  # inside [0, L - 2]: servable by SGLang, so no warning

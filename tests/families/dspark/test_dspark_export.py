@@ -18,8 +18,8 @@ from lightning_drafts import DSparkModule
 from lightning_drafts.dspark import load_exported_draft
 from lightning_drafts.dspark.speculate import load_served_draft
 from lightning_drafts.serving.export_files import missing_remote_code
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents, perturb
 from tests.families.dspark.test_dspark import LAYERS, fixed_anchors, make
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents, perturb
 
 H, V, R = 32, 96, 8  # tiny qwen3 hidden size and vocabulary, the tests' Markov rank
 BACKBONE = {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"}

@@ -22,10 +22,10 @@ from lightning_drafts.dspark.eval_mask import block_supervision
 from lightning_drafts.dspark.speculate import DSparkSpeculator, load_speculator
 from lightning_drafts.serving.family import Speculator, VerifiedPrefix
 from lightning_drafts.workflows.export import validate_export
-from tests.block_draft_cases import BLOCK, perturb
-from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
 from tests.families.dflash.cases import EOS, LAST_LAYER, MASK, sharpened_target
 from tests.families.dspark.cases import LAYOUTS, make, trained_module
+from tests.support.block_draft_cases import BLOCK, perturb
+from tests.support.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_drafts import DSparkModule
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, documents
-from tests.builders import TINY_TARGETS, packed_row
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents
+from tests.support.builders import TINY_TARGETS, packed_row
 
 GAMMA = 2.0
 ALPHAS = {"ce_loss_alpha": 0.3, "l1_loss_alpha": 0.5, "confidence_head_alpha": 2.0}

@@ -8,11 +8,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.eagle3 import Eagle3Base
-from tests.block_draft_cases import perturb
-from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, stack_rows
-from tests.eagle3_checks import build as build_eagle3
-from tests.eagle3_checks import frequencies
 from tests.families.family_case import ROOT, FamilyCase, Tolerance
+from tests.support.block_draft_cases import perturb
+from tests.support.builders import TINY_TARGETS, VOCAB, packed_row, random_docs, stack_rows
+from tests.support.eagle3_checks import build as build_eagle3
+from tests.support.eagle3_checks import frequencies
 
 STEPS = 3
 # The last captured layer is the target's last layer, so its output is what the target's LM head reads.

@@ -17,8 +17,8 @@ from lightning_drafts.eagle3 import build_vocab_mapping, count_supervised_tokens
 from lightning_drafts.eagle3.reload import load_eagle3
 from lightning_drafts.eagle3.ttt import TTTCache, step_weights, ttt_attention
 from lightning_drafts.workflows.export import validate_export
-from tests import eagle3_checks as checks
-from tests.builders import TINY_TARGETS, VOCAB, packed_row, random_docs
+from tests.support import eagle3_checks as checks
+from tests.support.builders import TINY_TARGETS, VOCAB, packed_row, random_docs
 
 LLAMA = TINY_TARGETS["llama"]
 

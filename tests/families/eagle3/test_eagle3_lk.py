@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_drafts import Eagle3Module, MLAEagle3Module
-from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
-from tests.eagle3_checks import GRAD_TOLERANCE, assert_same_objective, build, run
+from tests.support.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
+from tests.support.eagle3_checks import GRAD_TOLERANCE, assert_same_objective, build, run
 
 FAMILIES = [(Eagle3Module, "llama"), (MLAEagle3Module, "deepseek_v3")]
 IDS = ["eagle3", "mla_eagle3"]

@@ -22,9 +22,9 @@ from lightning_drafts.eagle3.speculate import load_speculator
 from lightning_drafts.eagle3.ttt import TTTCache
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.workflows.export import validate_export
-from tests.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
-from tests.eagle3_checks import frequencies
 from tests.families.eagle3.cases import STEPS, perfect_module
+from tests.support.builders import TINY_TARGETS, VOCAB, random_docs, rewrite_export
+from tests.support.eagle3_checks import frequencies
 
 FAMILIES = [(Eagle3Module, "llama"), (MLAEagle3Module, "deepseek_v3")]
 FAMILY_IDS = ["eagle3", "mla_eagle3"]

@@ -13,9 +13,9 @@ from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.live_slots import live_slots
 from lightning_drafts.eagle3.ttt import ttt_supervision
-from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
-from tests.eagle3_checks import assert_same_objective, build
-from tests.output_checks import TOLERANCE, assert_same_output
+from tests.support.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
+from tests.support.eagle3_checks import assert_same_objective, build
+from tests.support.output_checks import TOLERANCE, assert_same_output
 
 FAMILIES = [(Eagle3Module, "llama"), (MLAEagle3Module, "deepseek_v3")]
 IDS = ["eagle3", "mla_eagle3"]

@@ -17,8 +17,8 @@ from lightning_drafts.eagle3.rope import (
     resolve_rope_theta,
     vllm_deepseek_rope_scaling,
 )
-from tests import eagle3_checks as checks
-from tests.builders import TINY_TARGETS, packed_row, random_docs
+from tests.support import eagle3_checks as checks
+from tests.support.builders import TINY_TARGETS, packed_row, random_docs
 
 DEEPSEEK = TINY_TARGETS["deepseek_v3"]
 

@@ -3,7 +3,7 @@ a DeepSeek-V3 (MLA + MoE, YaRN) target, and vLLM's greedy speculative decoding e
 token for token, round for round and accepted token for accepted token.
 
 vLLM runs in its own environment through the project's runner (``evaluate_export(..., engine="vllm")``; the
-environment from :mod:`tests.vllm_subprocess`). The export read by vLLM's model code without serving:
+environment from :mod:`tests.support.vllm_subprocess`). The export read by vLLM's model code without serving:
 ``tests/families/test_vllm_layouts.py``.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from lightning_drafts.serving.report import EvaluationReport
 from lightning_drafts.workflows.evaluate import evaluate_export
 from tests.families.eagle3.vllm_cases import STEPS, mla_module, save_target
-from tests.vllm_subprocess import vllm_python
+from tests.support.vllm_subprocess import vllm_python
 
 PROMPTS = [
     [5, 17, 33, 101, 7],

@@ -14,9 +14,9 @@ from lightning_drafts.serving.decode import greedy_generate, speculative_generat
 from lightning_drafts.serving.draft_tree import TreeShape
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.serving.sampling import Sampling
-from tests.builders import random_docs
-from tests.eagle3_checks import frequencies
 from tests.families.eagle3.cases import perfect_module, perfect_prompts, sharpened_target, trained_module
+from tests.support.builders import random_docs
+from tests.support.eagle3_checks import frequencies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from tests.builders import VOCAB
 from tests.families.dflash.cases import training_batch
 from tests.families.eagle3.cases import sharpened_target
 from tests.families.family_case import FamilyCase
 from tests.families.probe.module import ProbeDraft
+from tests.support.builders import VOCAB
 
 QUICKSTART = Path(__file__).with_name("quickstart.yaml")
 

@@ -1,4 +1,4 @@
-"""The probe family's training module: :class:`~tests.probe_draft.NextTokenProbe` made servable."""
+"""The probe family's training module: :class:`~tests.support.probe_draft.NextTokenProbe` made servable."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import Tensor
 
 from lightning_drafts.core.draft_output import DraftOutput
 from tests.families.probe.export import ARCHITECTURE, write_probe_export
-from tests.probe_draft import NextTokenProbe
+from tests.support.probe_draft import NextTokenProbe
 
 
 class ProbeDraft(NextTokenProbe):

@@ -8,7 +8,7 @@ import torch
 from lightning_drafts.attention.anchors import anchors_from_positions, flatten_anchors
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.dflash import DFlashModule
-from tests.builders import VOCAB, packed_row, padded_rows, random_docs, stack_rows
+from tests.support.builders import VOCAB, packed_row, padded_rows, random_docs, stack_rows
 
 MASK_TOKEN = VOCAB - 1  # never drawn by `documents`, as a reserved id should be
 BLOCK = 4

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from lightning_drafts.core.acceptance import prefix_counts
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.ttt import shift_left, step_masks
-from tests.acceptance_reference import accept_len_by_definition
-from tests.builders import VOCAB, packed_row, random_docs, stack_rows
+from tests.support.acceptance_reference import accept_len_by_definition
+from tests.support.builders import VOCAB, packed_row, random_docs, stack_rows
 
 GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
 

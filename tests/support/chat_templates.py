@@ -13,7 +13,7 @@ from lightning_drafts.datamodules import PackedChatDataModule
 
 datasets.disable_progress_bars()
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "chat_templates"
 # A byte-level BPE, so any text round-trips through tokens; each family adds its markers as special tokens.
 BYTE_LEVEL = ROOT / "lightning_drafts" / "shipped" / "tiny-qwen3" / "tokenizer.json"

@@ -5,7 +5,7 @@ refused. The matrix test (tests/training/test_target_matrix.py) and the docs tab
 
 from __future__ import annotations
 
-from tests.builders import TINY_TARGETS, VOCAB
+from tests.support.builders import TINY_TARGETS, VOCAB
 
 LAYERS = 3
 WINDOW = 4  # sliding window and chunk, in tokens: shorter than every test document, so they matter

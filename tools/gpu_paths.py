@@ -1,7 +1,7 @@
 """The GPU acceptance run: one GPU, under 8 minutes, the most informative and cheapest proofs first.
 
-    python tests/scripts/gpu_paths.py                        # on CUDA: every check below
-    python tests/scripts/gpu_paths.py --device cpu [--quick] # every check that has a CPU forward
+    python tools/gpu_paths.py                        # on CUDA: every check below
+    python tools/gpu_paths.py --device cpu [--quick] # every check that has a CPU forward
 
 Each check runs in a process of its own with a timeout of its own (``CHECK_TIMEOUT_S``; off CUDA a fork of
 this process, which saves each check the imports): a fresh dynamo cache per check (no check inherits
@@ -65,7 +65,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # Before torch is imported: inductor reads its cache directory from the environment.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 sys.path.insert(0, str(ROOT))
@@ -94,10 +94,10 @@ from lightning_drafts.attention.backends import (  # noqa: E402
 from lightning_drafts.attention.block_masks import resolve_block_backend  # noqa: E402
 from lightning_drafts.core.batch import PackedBatch, validate_batch  # noqa: E402
 from lightning_drafts.training.target import ROPE_TABLES, FrozenTarget  # noqa: E402
-from tests.block_draft_cases import BLOCK, MASK_TOKEN, perturb, to_padded, twins  # noqa: E402
-from tests.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows  # noqa: E402
-from tests.eagle3_checks import frequencies  # noqa: E402
-from tests.target_matrix import config as matrix_config  # noqa: E402
+from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, perturb, to_padded, twins  # noqa: E402
+from tests.support.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows  # noqa: E402
+from tests.support.eagle3_checks import frequencies  # noqa: E402
+from tests.support.target_matrix import config as matrix_config  # noqa: E402
 
 EAGLE3 = {"eagle3": (Eagle3Module, "llama"), "mla_eagle3": (MLAEagle3Module, "deepseek_v3")}
 BLOCK_DRAFTS = {
