@@ -11,7 +11,10 @@ A page writes a directive on a line of its own; the hook replaces it:
   results file of the repository (or one section of it, headings demoted under the page's own);
 * ``<!-- code: path/FILE language -->``: a repository file verbatim in a fenced block;
 * ``<!-- modules: FOLDER -->``: a table of the folder's Python files (not its subfolders), each with the
-  first line of its module docstring.
+  first line of its module docstring;
+* ``<!-- registry: hyperparameters -->`` / ``<!-- registry: api -->``: for every module class of every
+  family in ``lightning_drafts.registry.REGISTRY``, its hyperparameters table under its name, or its
+  mkdocstrings block: a new family's pages need no edit here.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README_DIRECTIVE = "<!-- readme -->"
 SPHINX_ROLE = re.compile(r":(?:mod|class|func|meth|data|attr):`~?([^`]+)`")
-DIRECTIVE = re.compile(r"^<!-- (cli|hyperparameters|include|code|modules): (.+?) -->$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^<!-- (cli|hyperparameters|include|code|modules|registry): (.+?) -->$", re.MULTILINE)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' signature)
@@ -167,10 +170,23 @@ def modules(folder: str) -> str:
     return "\n".join(rows)
 
 
+def registry(what: str) -> str:
+    """Every registered family's module classes: their hyperparameters tables or their API blocks."""
+    from lightning_drafts.registry import REGISTRY
+
+    paths = [f"{m.__module__}.{m.__qualname__}" for family in REGISTRY.families for m in family.modules]
+    if what == "hyperparameters":
+        return "\n\n".join(f"## {path.rpartition('.')[2]}\n\n{hyperparameters(path)}" for path in paths)
+    if what == "api":
+        return "\n\n".join(f"::: {path}" for path in paths)
+    raise ValueError(f"<!-- registry: {what} -->: write 'hyperparameters' or 'api'")
+
+
 RENDERERS = {
     "cli": cli_help,
     "hyperparameters": hyperparameters,
     "include": include,
     "code": code,
     "modules": modules,
+    "registry": registry,
 }

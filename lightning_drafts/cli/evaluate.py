@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -261,15 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prompt_source(parsed: argparse.Namespace) -> str:
-    """Where the prompts came from, in the words of the model card (the first source that applies)."""
+    """Where the prompts came from, in the words of the model card (the first source that applies). Files
+    are named without their folders: the card travels with the export, the evaluating machine's paths not."""
     if parsed.prompts in PROMPT_SETS:
         return f"the shipped `{parsed.prompts}` set"
     if parsed.prompts:
-        return f"`{parsed.prompts}`"
+        return f"`{Path(parsed.prompts).name}`"
     if parsed.data_files:
-        return f"the held-out {parsed.val_fraction:.0%} of " + ", ".join(f"`{f}`" for f in parsed.data_files)
+        names = ", ".join(f"`{Path(f).name}`" for f in parsed.data_files)
+        return f"the held-out {parsed.val_fraction:.0%} of {names}"
     if parsed.config:
-        return f"the validation split of `{parsed.config}`"
+        return f"the validation split of `{Path(parsed.config).name}`"
     return "the embedded corpus (the quickstart split)"
 
 

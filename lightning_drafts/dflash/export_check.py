@@ -40,7 +40,7 @@ from lightning_drafts.dflash.layout import (
     ARCHITECTURES,
     DFLASH2_ARCHITECTURE,
     DFLASH2_FIELDS,
-    draft_from_serving_config,
+    draft_from_config,
 )
 from lightning_drafts.dflash.rules import BLOCK_SIZE, SELECTOR_RANK, SELECTOR_TOP_K, TARGET_LAYER_IDS
 from lightning_drafts.serving.export_files import DefectList, ExportSummary, check_built_weights, open_export
@@ -76,7 +76,7 @@ def validate_dflash_export(directory: str | Path, target: FrozenTarget | None = 
         _check_dflash2_sizes(config, dflash_config, block_size, defects)
     defects.raise_if_any()
 
-    build = partial(draft_from_serving_config, config)
+    build = partial(draft_from_config, config)
     check_built_weights(files, build, architecture, defects, _dflash2_part_still_initial)
     defects.raise_if_any()
     return ExportSummary(

@@ -15,7 +15,7 @@ DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = {"DFlashDraftModel": DFlashDraft, DFLASH2_ARCHITECTURE: DFlash2Draft}
 
 
-def read_serving_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"{path} is not a DFlash export: {CONFIG_FILE} is missing")
@@ -29,7 +29,7 @@ def read_serving_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def draft_from_serving_config(config: dict[str, Any]) -> DFlashDraft:
+def draft_from_config(config: dict[str, Any]) -> DFlashDraft:
     """The draft network ``config.json`` describes, with fresh weights (build under ``torch.device("meta")``
     to get names and shapes only)."""
     dflash_config = config["dflash_config"]

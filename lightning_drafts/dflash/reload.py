@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors.torch import load_file
 
 from lightning_drafts.dflash.draft import DFlashDraft
-from lightning_drafts.dflash.layout import draft_from_serving_config, read_serving_config
+from lightning_drafts.dflash.layout import draft_from_config, read_config
 from lightning_drafts.serving.export_files import WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 def load_exported_draft(path: str | Path) -> tuple[DFlashDraft, dict[str, Any]]:
     """Rebuild the draft network of an export (weights loaded strictly) and return it with its config."""
     path = Path(path)
-    config = read_serving_config(path)
-    draft = draft_from_serving_config(config)
+    config = read_config(path)
+    draft = draft_from_config(config)
     state = load_file(str(path / WEIGHTS_FILE))
     dtype = next(iter(state.values())).dtype
     draft.to(dtype).load_state_dict(state, strict=True)
@@ -28,7 +28,7 @@ def load_exported_draft(path: str | Path) -> tuple[DFlashDraft, dict[str, Any]]:
 
 def load_into_module(module: DFlashModule, path: Path) -> None:
     """Load an export's weights into ``module``'s draft after checking it was made for this setup."""
-    config = read_serving_config(path)
+    config = read_config(path)
     if config["architectures"][0] != module.architecture or config["dflash_config"] != module.dflash_config():
         raise ValueError(
             f"{path} holds a {config['architectures'][0]} with dflash_config {config['dflash_config']}, but this "

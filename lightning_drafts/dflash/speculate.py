@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from lightning_drafts.blockdraft.config_fields import module_arguments
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
-from lightning_drafts.dflash.layout import DFLASH2_ARCHITECTURE, read_serving_config
+from lightning_drafts.dflash.layout import DFLASH2_ARCHITECTURE, read_config
 from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
 from lightning_drafts.dflash.reload import load_exported_draft
 from lightning_drafts.serving.family import VerifiedPrefix
@@ -144,7 +144,7 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
     Its chains cover the whole block (training's tau_sim); the report keeps the first ``num_steps``
     positions of each, over the same blocks.
     """
-    config = read_serving_config(directory)
+    config = read_config(directory)
     module_class, extra = _variant_arguments(config)
     module = module_class(
         target.model,

@@ -16,7 +16,7 @@ TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
 HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
-def read_export_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
+def read_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """``config.json`` of a DSpark export, its layout, and its DSpark fields in one form."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():

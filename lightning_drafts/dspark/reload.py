@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors.torch import load_file
 
 from lightning_drafts.dspark.draft import DSparkDraft
-from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_export_config
+from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_config
 from lightning_drafts.serving.export_files import WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
     whose module holds the target's.
     """
     path = Path(path)
-    config, layout, fields = read_export_config(path)
+    config, layout, fields = read_config(path)
     if layout != "nemo":
         raise ValueError(
             f"{path} is a SpecForge-layout export without the embedding / LM head; build a DSparkModule on its "
@@ -37,7 +37,7 @@ def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
 
 def load_into_module(module: DSparkModule, path: Path) -> None:
     """Load an export's weights into ``module``'s draft after checking it was made for this setup."""
-    _, layout, fields = read_export_config(path)
+    _, layout, fields = read_config(path)
     if fields != module.dspark_config():
         raise ValueError(
             f"{path} holds a DSpark draft with {fields}, but this module has {module.dspark_config()}; build the "

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from lightning_drafts.blockdraft.config_fields import module_arguments
 from lightning_drafts.dspark.draft import DSparkDraft
-from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_export_config
+from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_config
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.dspark.reload import load_exported_draft
 from lightning_drafts.dspark.rules import EMBEDDING_FEATURE
@@ -76,7 +76,7 @@ class DSparkSpeculator:
     Args:
         draft: the draft network as loaded from the export, its ``embed_tokens`` / ``lm_head`` either the
             export's (NeMo layout) or the target's own modules (SpecForge layout).
-        fields: the export's DSpark fields (:func:`~lightning_drafts.dspark.layout.read_export_config`).
+        fields: the export's DSpark fields (:func:`~lightning_drafts.dspark.layout.read_config`).
         num_target_layers: L_t, the target's decoder-layer count (feature id L_t - 1 = final-norm output).
         num_steps: tokens proposed per round (at most ``block_size``).
     """
@@ -168,7 +168,7 @@ class DSparkSpeculator:
 def load_served_draft(directory: Path, target: FrozenTarget) -> tuple[DSparkDraft, dict[str, Any]]:
     """The draft of an (already validated) export with the embedding / LM head it serves with, and its
     DSpark fields."""
-    config, layout, fields = read_export_config(directory)
+    config, layout, fields = read_config(directory)
     if layout == "nemo":
         draft, _ = load_exported_draft(directory)
         return draft, fields
@@ -201,7 +201,7 @@ def load_training_module(directory: Path, target: FrozenTarget, num_steps: int) 
     positions of each, over the same blocks. Loss weights only change the loss, not
     the chains; they are taken from the export's record where it has one.
     """
-    config, _, fields = read_export_config(directory)
+    config, _, fields = read_config(directory)
     record = config.get("lightning_drafts") or {}
     confidence_alpha = (
         (record.get("confidence_head_alpha") or 1.0) if fields["enable_confidence_head"] else 0.0

@@ -104,7 +104,7 @@ def serving_config(module: Eagle3Base) -> dict[str, Any]:
     return {"architectures": [DENSE_ARCHITECTURE], "model_type": "llama", **common}
 
 
-def export_eagle3(module: Eagle3Base, output_dir: str | Path) -> Path:
+def export_draft(module: Eagle3Base, output_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` for ``module``'s draft into ``output_dir``, checked
     by the validator before anything lands there."""
     if not bool(module.vocab_mapping_built):

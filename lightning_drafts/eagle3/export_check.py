@@ -1,6 +1,6 @@
 """The EAGLE-3 export validator, and the draft a serving engine builds from ``config.json`` alone.
 
-``validate_eagle3_export`` runs after every ``export_eagle3`` and before every ``lightning-drafts
+``validate_eagle3_export`` runs after every ``export_draft`` and before every ``lightning-drafts
 evaluate``. It checks what vLLM / SGLang read, in the form they read it:
 
 * ``config.json``: the architecture, the shape fields the engine builds the draft from, the RoPE settings
@@ -109,7 +109,7 @@ def served_layer_ids(config: dict[str, Any]) -> list[int]:
     return [int(i) - 1 for i in config[VLLM_LAYER_FIELD]]
 
 
-def draft_from_serving_config(config: dict[str, Any]) -> Eagle3Draft:
+def draft_from_config(config: dict[str, Any]) -> Eagle3Draft:
     """The draft network a serving engine builds from ``config.json`` (random weights, fp32).
 
     Every shape and the RoPE table come from the config fields, never from the target, so a field the
@@ -277,7 +277,7 @@ def _check_against_target(config: dict[str, Any], defects: DefectList, target: F
 
 def _check_tensor_layout(files: ExportFiles, architecture: str, defects: DefectList) -> None:
     with torch.device("meta"):
-        expected = draft_from_serving_config(files.config).state_dict()
+        expected = draft_from_config(files.config).state_dict()
     check_tensor_shapes(files, expected, architecture, defects)
     for name, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name in files.dtypes and files.dtypes[name] != dtype:

@@ -32,7 +32,7 @@ from lightning_drafts.core.checks import check_bool, check_int, is_number
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
-from lightning_drafts.eagle3.export import export_eagle3
+from lightning_drafts.eagle3.export import export_draft
 from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
 from lightning_drafts.eagle3.live_slots import live_slots, ttt_unroll_live
 from lightning_drafts.eagle3.llama_draft import build_llama_draft
@@ -372,7 +372,7 @@ class Eagle3Base(DraftModule):
 
     def export(self, output_dir: str | Path) -> Path:
         """Write the serving layout (see :mod:`lightning_drafts.eagle3.export`)."""
-        return export_eagle3(self, output_dir)
+        return export_draft(self, output_dir)
 
 
 class Eagle3Module(Eagle3Base):

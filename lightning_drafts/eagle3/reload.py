@@ -1,6 +1,6 @@
 """Read an EAGLE-3 export back: the draft as a serving engine builds it, or the whole training module.
 
-:func:`load_eagle3_draft` reads the draft the way a serving engine does (shapes and RoPE from
+:func:`load_exported_draft` reads the draft the way a serving engine does (shapes and RoPE from
 ``config.json``, weights from ``model.safetensors``), for ``lightning-drafts evaluate``;
 :func:`load_eagle3` rebuilds the module the export came from.
 """
@@ -14,14 +14,14 @@ from typing import Any
 from safetensors.torch import load_file
 
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
-from lightning_drafts.eagle3.export_check import draft_from_serving_config
+from lightning_drafts.eagle3.export_check import draft_from_config
 from lightning_drafts.eagle3.module import Eagle3Base, Eagle3Module, MLAEagle3Module
 from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
 
 DRAFT_CLASSES = {"Eagle3Module": Eagle3Module, "MLAEagle3Module": MLAEagle3Module}
 
 
-def load_eagle3_draft(directory: str | Path) -> tuple[Eagle3Draft, dict[str, Any]]:
+def load_exported_draft(directory: str | Path) -> tuple[Eagle3Draft, dict[str, Any]]:
     """The draft network and ``config.json`` of an export, read as a serving engine reads them.
 
     Shapes and RoPE come from ``config.json`` (not from the target), the weights (``d2t`` included) from
@@ -30,7 +30,7 @@ def load_eagle3_draft(directory: str | Path) -> tuple[Eagle3Draft, dict[str, Any
     directory = Path(directory)
     config = json.loads((directory / CONFIG_FILE).read_text())
     state = load_file(str(directory / WEIGHTS_FILE))
-    draft = draft_from_serving_config(config).to(state["fc.weight"].dtype)
+    draft = draft_from_config(config).to(state["fc.weight"].dtype)
     draft.load_state_dict(state, strict=True)
     return draft.eval().requires_grad_(False), config
 
@@ -47,7 +47,7 @@ def load_eagle3(directory: str | Path, target: Any = None, **overrides: Any) -> 
     if not record or record.get("draft_class") not in DRAFT_CLASSES:
         raise ValueError(
             f"{directory / CONFIG_FILE} has no lightning_drafts record of an EAGLE-3 draft; it was not written "
-            "by export_eagle3"
+            "by export_draft"
         )
     target = record.get("target") if target is None else target
     if target is None:

@@ -1,7 +1,7 @@
 """EAGLE-3 chain and tree drafting from an exported draft, as vLLM / SGLang run it (the evaluate plug-in).
 
 Everything comes from the export: the draft network from ``config.json`` + ``model.safetensors``
-(:func:`~lightning_drafts.eagle3.reload.load_eagle3_draft`), the captured layers from vLLM's
+(:func:`~lightning_drafts.eagle3.reload.load_exported_draft`), the captured layers from vLLM's
 ``eagle_aux_hidden_state_layer_ids`` (layer *inputs*, so ``id - 1`` names the layer output; the
 validator has checked it against SGLang's field and the training record), and draft-to-target ids from
 the exported ``d2t`` offsets, ``target = draft + d2t[draft]``.
@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.export_check import served_layer_ids
 from lightning_drafts.eagle3.module import Eagle3Base
-from lightning_drafts.eagle3.reload import load_eagle3, load_eagle3_draft
+from lightning_drafts.eagle3.reload import load_eagle3, load_exported_draft
 from lightning_drafts.eagle3.ttt import TTTCache
 from lightning_drafts.serving.draft_tree import DraftTree, TreeShape, grow_tree
 from lightning_drafts.serving.family import VerifiedPrefix
@@ -156,7 +156,7 @@ def _rows_of(row: Tensor, count: int) -> Tensor:
 
 def load_speculator(directory: Path, target: FrozenTarget, num_steps: int) -> Eagle3Speculator:
     """The speculator of an (already validated) export, on the target's device."""
-    draft, config = load_eagle3_draft(directory)
+    draft, config = load_exported_draft(directory)
     draft.to(target.lm_head.weight.device)
     return Eagle3Speculator(draft, served_layer_ids(config), num_steps)
 

@@ -16,7 +16,6 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 from lightning_drafts.serving.export_files import CONFIG_FILE, ExportSummary, architecture_of, read_export
-from lightning_drafts.serving.model_card import TrainingFacts, write_card
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import FrozenTarget
 
@@ -106,29 +105,6 @@ class DraftFamily:
                 f"vLLM serves: {served}); evaluate it with the built-in engine (--engine builtin)"
             )
         return self.vllm_methods[architecture]
-
-    def export(
-        self,
-        module: DraftModule,
-        output_dir: str | Path,
-        layout: str | None = None,
-        training: TrainingFacts | None = None,
-        served_from: str | Path | None = None,
-    ) -> Path:
-        """Write ``module``'s serving layout (``module.export``, which validates what it writes) and its
-        model card (``README.md``: ``training`` says how it was trained, ``served_from`` where the export
-        will be served from, default ``output_dir``), refusing a layout the family does not have."""
-        if layout is not None and layout not in self.layouts:
-            offered = (
-                f"writes the layouts {list(self.layouts)}" if self.layouts else "exports one layout only"
-            )
-            raise ValueError(f"layout {layout!r} was given, but {type(module).__name__} {offered}")
-        if self.layouts:
-            path = module.export(Path(output_dir), layout=layout)
-        else:
-            path = module.export(Path(output_dir))
-        write_card(module, self, path, export_dir=served_from, training=training)
-        return path
 
 
 class FamilyRegistry:

@@ -74,7 +74,9 @@ def check_digests(
 
 def _check_draft_digest(checkpoint: Mapping[str, Any], where: str) -> None:
     recorded = checkpoint.get(DRAFT_DIGEST_KEY)
-    if recorded is not None and state_digest(checkpoint["state_dict"]) != recorded:
+    if recorded is not None and (
+        "state_dict" not in checkpoint or state_digest(checkpoint["state_dict"]) != recorded
+    ):
         raise ValueError(
             f"{where} is damaged: state_dict ({SECTIONS['state_dict']}) no longer matches the digest written "
             "with it (a truncated copy, a disk error, or an edit); use another checkpoint (e.g. an earlier "

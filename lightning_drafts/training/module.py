@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -699,7 +700,14 @@ class DraftModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_family(checkpoint, self.draft_class_path())
         if "state_dict" not in checkpoint:
-            return  # ModelParallelStrategy has already loaded (and removed) the module state
+            if isinstance(getattr(self._trainer, "strategy", None), ModelParallelStrategy):
+                return  # it has already loaded (and removed) the module state
+            # Lightning would next read checkpoint["state_dict"] and fail with a bare KeyError.
+            check_digests(checkpoint, skip=("hyper_parameters",))
+            raise ValueError(
+                "the checkpoint holds no state_dict (the draft's weights): it is cut short or was not written "
+                "by a lightning-drafts fit; use another checkpoint (e.g. an earlier last.ckpt or best.ckpt)"
+            )
         expected = {k for k in self.state_dict() if not k.startswith(TARGET_PREFIX)}
         missing = sorted(expected - set(checkpoint["state_dict"]))
         if missing:

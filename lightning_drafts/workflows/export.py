@@ -11,7 +11,7 @@ import yaml
 from lightning_drafts.core.output_lock import exclusive_output
 from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.export_files import ExportSummary, check_destination, staged_export
-from lightning_drafts.serving.model_card import TrainingFacts
+from lightning_drafts.serving.model_card import TrainingFacts, write_card
 from lightning_drafts.training.checkpoint_integrity import check_digests
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.training.target import FrozenTarget
@@ -67,17 +67,36 @@ def export_checkpoint(
         # lands: a refused export leaves output_dir as it was.
         with staged_export(output_dir, overwrite=overwrite) as staging:
             training = training_facts(checkpoint_path)
-            family.export(
+            export_module(
                 module, staging, layout=layout, training=training, served_from=Path(output_dir).resolve()
             )
             family.validate(staging, module.target)
     return Path(output_dir)
 
 
-def export_module(module: DraftModule, output_dir: str | Path, layout: str | None = None) -> Path:
-    """Write a module's serving layout and its model card (``module.export(dir)`` writes the serving files
-    only: the card's serving commands come from the family record, which the module does not know)."""
-    return REGISTRY.for_module(module).export(module, output_dir, layout=layout)
+def export_module(
+    module: DraftModule,
+    output_dir: str | Path,
+    layout: str | None = None,
+    training: TrainingFacts | None = None,
+    served_from: str | Path | None = None,
+) -> Path:
+    """Write ``module``'s serving layout (``module.export``, which validates what it writes) and its model
+    card (``README.md``: ``training`` says how it was trained, ``served_from`` where the export will be
+    served from, default ``output_dir``), refusing a layout its family does not have. The module writes the
+    serving files only: the card's serving commands come from its family's record."""
+    family = REGISTRY.for_module(module)
+    if layout is not None and layout not in family.layouts:
+        offered = (
+            f"writes the layouts {list(family.layouts)}" if family.layouts else "exports one layout only"
+        )
+        raise ValueError(f"layout {layout!r} was given, but {type(module).__name__} {offered}")
+    if family.layouts:
+        path = module.export(Path(output_dir), layout=layout)
+    else:
+        path = module.export(Path(output_dir))
+    write_card(module, family, path, export_dir=served_from, training=training)
+    return path
 
 
 def training_facts(checkpoint_path: str | Path) -> TrainingFacts:

@@ -13,6 +13,7 @@ import torch
 
 from lightning_drafts import Eagle3Module
 from lightning_drafts.cli.main import main
+from lightning_drafts.serving.export_files import CARD_FILE
 from lightning_drafts.workflows.evaluate import evaluate_export
 from lightning_drafts.workflows.export import export_module
 from tests.families.cases import CASES, FAMILIES
@@ -33,7 +34,7 @@ def test_cli_evaluate_serves_an_export_with_the_target_it_records_or_one_given(
 ):
     kind = case.targets[0]
     module = case.build(TINY_TARGETS[kind])
-    export = family.export(module, tmp_path / "draft")
+    export = export_module(module, tmp_path / "draft")
     config = json.loads((export / "config.json").read_text())
     record = config["lightning_drafts"]
     assert record["target"] == TINY_TARGETS[kind] and record["target_seed"] == 0
@@ -70,6 +71,9 @@ def test_cli_evaluate_serves_an_export_with_the_target_it_records_or_one_given(
         assert report["served"] == expected.to_dict()["served"]
         assert report["training"] == expected.to_dict()["training"]
         assert report["generations"] == expected.generations
+        # The card names the prompts file, not where it lay on this machine.
+        card = (export / CARD_FILE).read_text()
+        assert "`prompts.jsonl`" in card and str(tmp_path) not in card
 
 
 def eagle3_export(target: dict, directory) -> str:

@@ -39,7 +39,7 @@ from lightning_drafts.serving.family import Speculator
 from lightning_drafts.training.checkpoint_integrity import record_digests
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.workflows.evaluate import evaluate_export
-from lightning_drafts.workflows.export import export_checkpoint, validate_export
+from lightning_drafts.workflows.export import export_checkpoint, export_module, validate_export
 from tests.cli.test_cli import short_fit
 from tests.core.test_batch import BAD_BATCHES
 from tests.families.cases import CASES, FAMILIES
@@ -303,7 +303,7 @@ def test_anchors_are_checked_and_an_unknown_layout_is_refused(family, case: Fami
         with pytest.raises(ValueError, match="anchors"):
             module.compute_loss(batch, anchors=torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=UNKNOWN_LAYOUT.format(name=case.name)):
-        family.export(module, tmp_path / "draft", layout="no-such-layout")
+        export_module(module, tmp_path / "draft", layout="no-such-layout")
     assert not (tmp_path / "draft").exists()
 
 
@@ -351,7 +351,7 @@ def check_reload(family, case: FamilyCase, module: DraftModule, export: Path, la
 @pytest.mark.parametrize(("family", "case", "kind", "layout"), params("kind", "layout"), indirect=["family"])
 def test_export_validates_and_reloads_into_the_same_draft(family, case: FamilyCase, kind, layout, tmp_path):
     module = case.build(TINY_TARGETS[kind])
-    export = family.export(module, tmp_path / "draft", layout=layout)
+    export = export_module(module, tmp_path / "draft", layout=layout)
     check_reload(family, case, module, export, layout)
 
 
@@ -368,7 +368,7 @@ def test_a_draft_of_a_tied_target_trains_exports_and_validates(family, case: Fam
     optimizer.step()
     # The frozen target stays tied and untouched by the step.
     assert target.lm_head.weight is target.input_embeddings.weight and not target.lm_head.weight.requires_grad
-    export = family.export(module, tmp_path / "draft", layout=layout)
+    export = export_module(module, tmp_path / "draft", layout=layout)
     check_reload(family, case, module, export, layout)
 
 
@@ -421,7 +421,7 @@ def test_a_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_sid
     family, case: FamilyCase, kind, layout, tmp_path
 ):
     module = case.trained(kind)
-    export = family.export(module, tmp_path / "draft", layout=layout)
+    export = export_module(module, tmp_path / "draft", layout=layout)
     prompts = random_docs([5, 8, 11], vocab=case.vocab, seed=21)
     report = evaluate_export(
         export, prompts, target=module.target, max_new_tokens=12, stop_token_ids=(), check_lossless=True
@@ -457,7 +457,7 @@ def test_a_trained_export_decodes_losslessly_with_served_and_tau_sim_side_by_sid
 @pytest.mark.parametrize(("family", "case", "layout"), params("layout"), indirect=["family"])
 def test_evaluate_refuses_a_broken_export_before_decoding(family, case: FamilyCase, layout, tmp_path):
     module = case.trained(case.targets[0])
-    export = family.export(module, tmp_path / "draft", layout=layout)
+    export = export_module(module, tmp_path / "draft", layout=layout)
     broken = rewrite_export(export, tmp_path / "broken", tensor_edit=lambda t: t.pop(case.required_tensor))
     prompts = random_docs([5], vocab=case.vocab, seed=3)
     with pytest.raises(ValueError, match=re.escape(f"{case.required_tensor}: missing")):

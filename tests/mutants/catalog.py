@@ -549,6 +549,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "a checkpoint without its loops or optimizer state resumes from step 0 or with fresh moments, silently",
     ),
     Mutant(
+        "checkpoint-without-weights-left-to-lightning",
+        "lightning_drafts/training/module.py",
+        'if isinstance(getattr(self._trainer, "strategy", None), ModelParallelStrategy):',
+        "if True:",
+        (
+            "tests/serving/test_integrity.py::"
+            "test_a_checkpoint_without_its_weights_is_refused_outside_the_cli_naming_them",
+        ),
+        "a checkpoint without its weights is a bare KeyError from Lightning outside the CLI",
+    ),
+    Mutant(
         "resumed-plan-counts-units-from-its-start",
         "datamodules/packing.py",
         "units_after = start + np.concatenate([[0], np.cumsum(sizes.sum(axis=1))])",

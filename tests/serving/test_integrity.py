@@ -113,6 +113,23 @@ def test_a_damaged_checkpoint_is_refused_on_load_resume_and_validate(checkpoint,
         trainer(tmp_path, 4).validate(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=checkpoint)
 
 
+def test_a_checkpoint_without_its_weights_is_refused_outside_the_cli_naming_them(checkpoint, tmp_path):
+    # Lightning itself reads checkpoint["state_dict"] after the module's hook: a bare KeyError without it.
+    saved = torch.load(checkpoint, weights_only=False)
+    del saved["state_dict"]
+    cut = tmp_path / "cut.ckpt"
+    torch.save(saved, cut)
+    with pytest.raises(ValueError, match="damaged: state_dict"):
+        NextTokenProbe.load_from_checkpoint(cut, target=TINY_TARGETS["llama"])
+    with pytest.raises(ValueError, match="damaged: state_dict"):
+        trainer(tmp_path, 4).fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=cut)
+    # Without its digests too (a checkpoint written before they were recorded): refused by name.
+    del saved["checkpoint_digest"]
+    torch.save(saved, cut)
+    with pytest.raises(ValueError, match="holds no state_dict"):
+        trainer(tmp_path, 4).validate(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=cut)
+
+
 def test_flipped_bytes_in_the_adam_state_are_refused_on_resume_naming_it(checkpoint, tmp_path):
     saved = torch.load(checkpoint, weights_only=False)
     moments = [s["exp_avg_sq"] for s in saved["optimizer_states"][0]["state"].values()]

@@ -66,7 +66,7 @@ def test_an_export_s_card_reads_back_with_its_serving_commands(
     case = CASE_BY_NAME[name]
     module = case.build(TINY_TARGETS[case.targets[0]])
     family = REGISTRY.for_module(module)
-    export = family.export(module, tmp_path / "draft", layout=layout)
+    export = export_module(module, tmp_path / "draft", layout=layout)
     family.validate(export, module.target)  # the card beside the files changes nothing the validator reads
 
     front, body = read_card(export)
@@ -119,8 +119,7 @@ def test_a_cards_serve_commands_carry_no_path_of_the_training_machine(kind, tmp_
         "a hub id": "meta-llama/Llama-3.1-8B-Instruct",
     }[kind]
     module.hparams["target"] = target
-    family = REGISTRY.for_module(module)
-    export = family.export(module, tmp_path / "exports" / "draft")
+    export = export_module(module, tmp_path / "exports" / "draft")
     # No path of this machine anywhere in the card; base_model names a hub id (or a shipped target) only.
     card = (export / CARD_FILE).read_text()
     assert str(tmp_path) not in card and str(ROOT) not in card

@@ -16,11 +16,10 @@ import torch
 from torch import Tensor
 
 from lightning_drafts import DFlash2Module, DFlashModule, Eagle3Module, MLAEagle3Module
-from lightning_drafts.registry import REGISTRY
 from lightning_drafts.serving.decode import greedy_generate
 from lightning_drafts.training.module import DraftModule
 from lightning_drafts.workflows.evaluate import evaluate_export
-from lightning_drafts.workflows.export import validate_export
+from lightning_drafts.workflows.export import export_module, validate_export
 from tests.families.cases import CASES
 from tests.families.dflash.cases import perfect_module as perfect_dflash
 from tests.families.dflash.cases import repeated_prompts
@@ -68,7 +67,7 @@ PERFECT: dict[str, tuple[PerfectDraft, str | None]] = {
 def perfect_export(name: str, tmp_path: Path) -> tuple[DraftModule, list[Tensor], Path, int]:
     build, layout = PERFECT[name]
     module, prompts = build()
-    export = REGISTRY.for_module(module).export(module, tmp_path / "draft", layout=layout)
+    export = export_module(module, tmp_path / "draft", layout=layout)
     return module, prompts, export, CASES[type(module)].num_steps(module)
 
 

@@ -16,7 +16,7 @@ import torch
 from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.core.batch import validate_batch
 from lightning_drafts.eagle3 import Eagle3Base
-from lightning_drafts.eagle3.reload import load_eagle3_draft
+from lightning_drafts.eagle3.reload import load_exported_draft
 from lightning_drafts.eagle3.rope import default_inverse_frequencies
 from lightning_drafts.eagle3.speculate import load_speculator
 from lightning_drafts.eagle3.ttt import TTTCache
@@ -187,7 +187,7 @@ def test_the_served_mla_draft_under_yarn_is_the_trained_one(tmp_path):
     config computes bit for bit what the trained draft computes, past the original context too."""
     yarn = {**TINY_YARN, "rope_theta": 10000.0}
     module, export = mla_export(tmp_path / "draft", {**TINY_TARGETS["deepseek_v3"], "rope_parameters": yarn})
-    draft, config = load_eagle3_draft(export)
+    draft, config = load_exported_draft(export)
     ramp = {k: yarn[k] for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")}
     assert config["rope_scaling"] == {"rope_type": "yarn", **ramp, "mscale": 0.0, "mscale_all_dim": 0.0}
     assert torch.equal(draft.rope.inv_freq, module.draft.rope.inv_freq)
@@ -219,7 +219,7 @@ def test_the_served_draft_is_built_from_the_config_and_matches_the_trained_one(t
     module = Eagle3Module(scaled, ttt_length=STEPS, draft_vocab_size=48, token_frequencies=frequencies())
     with torch.no_grad():
         module.draft.lm_head.weight.mul_(1.5)
-    draft, config = load_eagle3_draft(module.export(tmp_path / "draft"))
+    draft, config = load_exported_draft(module.export(tmp_path / "draft"))
     assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_theta"] == 50000.0
     trained_rope = module.draft.midlayer.self_attn.rope
     assert torch.equal(draft.midlayer.self_attn.rope.inv_freq, trained_rope.inv_freq)
