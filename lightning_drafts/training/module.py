@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -700,8 +700,11 @@ class DraftModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_family(checkpoint, self.draft_class_path())
         if "state_dict" not in checkpoint:
-            if isinstance(getattr(self._trainer, "strategy", None), ModelParallelStrategy):
-                return  # it has already loaded (and removed) the module state
+            strategy = getattr(self._trainer, "strategy", None)
+            # Sharded strategies (FSDP, FSDP2) load the module state themselves and remove it before this
+            # hook; one device or DDP never does, nor does a load outside a trainer: there it is missing.
+            if strategy is not None and type(strategy) not in (SingleDeviceStrategy, DDPStrategy):
+                return
             # Lightning would next read checkpoint["state_dict"] and fail with a bare KeyError.
             check_digests(checkpoint, skip=("hyper_parameters",))
             raise ValueError(

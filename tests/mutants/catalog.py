@@ -551,8 +551,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "checkpoint-without-weights-left-to-lightning",
         "lightning_drafts/training/module.py",
-        'if isinstance(getattr(self._trainer, "strategy", None), ModelParallelStrategy):',
-        "if True:",
+        "if strategy is not None and type(strategy) not in (SingleDeviceStrategy, DDPStrategy):",
+        "if strategy is not None or True:",
         (
             "tests/serving/test_integrity.py::"
             "test_a_checkpoint_without_its_weights_is_refused_outside_the_cli_naming_them",
