@@ -31,7 +31,10 @@ from typing import Any
 
 import datasets
 
-# Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
+# Run as a script, so its own folder is on the path: the throughput benchmark's workload and drafts,
+# reused as is.
+import drafts
+import skip_ablation
 import throughput
 import torch
 import yaml
@@ -80,7 +83,7 @@ def benchmark_workload(
     }
     padded = throughput.collate_all(documents, plans["padded"], torch.device("cpu"))
     packed = throughput.collate_all(documents, plans["packed"], torch.device("cpu"))
-    module = throughput.build_draft(name, args, padded)
+    module = drafts.build_draft(name, args, padded)
     offsets = throughput.document_anchors(module, padded, plans["padded"], args.seed)
     anchors = throughput.layout_anchors(offsets, plans["packed"], documents.lengths, torch.device("cpu"))
     return module, packed, anchors
@@ -89,12 +92,14 @@ def benchmark_workload(
 def benchmark_counts(args: argparse.Namespace) -> list[str]:
     documents = throughput.load_documents(args.max_tokens, args.documents, args.seed)
     lines = []
-    for name in throughput.ANCHOR_DRAFTS:
+    for name in drafts.ANCHOR_DRAFTS:
         module, packed, anchors = benchmark_workload(name, args, documents)
         counts = Counts()
         for batch, batch_anchors in zip(packed, anchors, strict=True):
             packed_batch = module.prepare_batch(batch)
-            counts.add(throughput.chain_valid(packed_batch, batch_anchors, args.block_size, name == "dspark"))
+            counts.add(
+                skip_ablation.chain_valid(packed_batch, batch_anchors, args.block_size, name == "dspark")
+            )
         lines.append(counts.row(f"benchmark, {name}"))
     return lines
 
@@ -111,7 +116,7 @@ def quickstart_counts(name: str) -> str:
     for batch in datamodule.train_dataloader():
         packed = validate_batch(batch)
         anchors = sample_anchors(packed, block_size, model["num_anchors"], partial_blocks=dspark)
-        counts.add(throughput.chain_valid(packed, anchors, block_size, dspark))
+        counts.add(skip_ablation.chain_valid(packed, anchors, block_size, dspark))
     return counts.row(f"quickstart, {name} (block {block_size}, {model['num_anchors']} anchors)")
 
 
@@ -151,7 +156,7 @@ def timing(args: argparse.Namespace, repeats: int) -> list[str]:
         "| draft | block_valid_only | step CPU s (median) | vocabulary piece CPU s (median) | piece / step |",
         "|---|---|---:|---:|---:|",
     ]
-    for name in throughput.ANCHOR_DRAFTS:
+    for name in drafts.ANCHOR_DRAFTS:
         module, packed, anchors = benchmark_workload(name, args, documents)
         anchors = anchors[0]
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-12)

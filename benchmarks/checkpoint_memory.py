@@ -40,9 +40,9 @@ def status_kib(field: str) -> int:
 
 def main(args: argparse.Namespace) -> None:
     import torch
+    from two_process import trainer as two_process_trainer
 
     from lightning_drafts import DFlashModule
-    from tests.scripts.distributed_grads import trainer as two_process_trainer
 
     torch.manual_seed(0)
     target = {

@@ -31,8 +31,8 @@ import lightning as L
 import torch
 
 from lightning_drafts.cli.fit import build_from_config
-from lightning_drafts.training.remote_target import RemoteTarget, start_local_ray
-from lightning_drafts.training.unit_ledger import Unit
+from lightning_drafts.training.remote.remote_target import RemoteTarget, start_local_ray
+from lightning_drafts.training.remote.unit_ledger import Unit
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart" / "eagle3.yaml"
@@ -125,7 +125,7 @@ class StepClock(L.Callback):
         self._forward = 0.0
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if pl_module.remote_target is None and pl_module.target.decoder_layers:
+        if pl_module.remote_features.remote is None and pl_module.target.decoder_layers:
             pl_module.target.register_forward_pre_hook(self._before)
             pl_module.target.register_forward_hook(self._after)
 
@@ -141,7 +141,7 @@ class StepClock(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps.append(time.perf_counter() - self._start)
         self.forwards.append(self._forward)
-        remote = pl_module.remote_target
+        remote = pl_module.remote_features.remote
         self.waits.append(remote.last_wait_s if remote is not None else 0.0)
 
 
@@ -151,7 +151,7 @@ def shipped_run(workers: int, args: argparse.Namespace) -> StepClock:
         f"--data.init_args.max_documents={args.documents}",
         "--data.init_args.val_fraction=0",
         "--data.init_args.setup_summary=false",
-        f"--model.init_args.target_workers={workers}",
+        f"--model.init_args.remote.workers={workers}",
     ]
     model, data = build_from_config(["--config", str(QUICKSTART), *overrides])
     clock = StepClock()

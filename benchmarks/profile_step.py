@@ -21,7 +21,9 @@ import time
 
 import datasets
 
-# Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
+# Run as a script, so its own folder is on the path: the throughput benchmark's workload and drafts,
+# reused as is.
+import drafts
 import throughput
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -55,9 +57,7 @@ def profiled(module, optimizer, batch, anchors, name: str, small_us: float, top:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--drafts", nargs="+", choices=throughput.ALL_DRAFTS, default=list(throughput.ALL_DRAFTS)
-    )
+    parser.add_argument("--drafts", nargs="+", choices=drafts.ALL_DRAFTS, default=list(drafts.ALL_DRAFTS))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per thread count, interleaved")
     parser.add_argument("--small-us", type=float, default=50.0, help="a 'small' operator call, microseconds")
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         padded = throughput.collate_all(documents, plans["padded"], device)
         packed = throughput.collate_all(documents, plans["packed"], device)
-        module = throughput.build_draft(name, args, padded).to(dtype=args.dtype)
+        module = drafts.build_draft(name, args, padded).to(dtype=args.dtype)
         anchors = None
-        if name in throughput.ANCHOR_DRAFTS:
+        if name in drafts.ANCHOR_DRAFTS:
             offsets = throughput.document_anchors(module, padded, plans["padded"], args.seed)
             anchors = throughput.layout_anchors(offsets, plans["packed"], documents.lengths, device)[0]
         batch = packed[0]

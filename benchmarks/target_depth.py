@@ -21,7 +21,9 @@ from collections.abc import Sequence
 
 import datasets
 
-# Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
+# Run as a script, so its own folder is on the path: the throughput benchmark's workload and drafts,
+# reused as is.
+import drafts
 import throughput
 import torch
 
@@ -63,14 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     plan = throughput.plan(documents, "packed", args.max_tokens, args.micro_batch, args.seed)
     batches = throughput.collate_all(documents, plan, torch.device("cpu"))
     arguments = {
-        "mask_token_id": throughput.MASK_TOKEN_ID,
+        "mask_token_id": drafts.MASK_TOKEN_ID,
         "num_draft_layers": args.draft_layers,
         "block_size": args.block_size,
         "num_anchors": args.anchors,
     }
     modules = {
-        "through the deepest fused layer": DFlashModule(throughput.target_config(args), **arguments),
-        "whole target": WholeTargetDFlash(throughput.target_config(args), **arguments),
+        "through the deepest fused layer": DFlashModule(drafts.target_config(args), **arguments),
+        "whole target": WholeTargetDFlash(drafts.target_config(args), **arguments),
     }
     stopped = modules["through the deepest fused layer"]
     anchors = [

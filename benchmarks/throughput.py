@@ -38,34 +38,20 @@ the padded run)``, and the fraction of that limit achieved. Memory, measured two
   to the system) over the resident set at the start: process-wide, it includes allocator caching and
   is noisier than the saved-activation figure.
 
-The target is a Llama-shaped random model whose width makes its linear layers dominate, with the
-embedded tokenizer's 32,000-token vocabulary. EAGLE-3 trains a 4,096-token draft vocabulary; the
-target's LM-head rows outside it are zeroed so the random teacher's greedy token lands inside it, as a
-trained target's does (otherwise 7 positions in 8 would leave the loss and the benchmark would skip the
-draft's LM-head work).
+The target and drafts are ``benchmarks/drafts.py``'s: a Llama-shaped random model whose width makes its
+linear layers dominate, with the embedded tokenizer's 32,000-token vocabulary. EAGLE-3 trains a
+4,096-token draft vocabulary; the target's LM-head rows outside it are zeroed so the random teacher's
+greedy token lands inside it, as a trained target's does (otherwise 7 positions in 8 would leave the loss
+and the benchmark would skip the draft's LM-head work).
 
 EAGLE-3 runs each TTT step only at the slots with a supervised prediction left (``ttt_live_slots_only``,
-the default; step 0's keys and values still run at every slot). ``--eagle3-all-slots`` also times every slot at every step (the path before it), interleaved
-with the default in the same process, and reports live / all slots per layout, the saved activations of
-both, and the least-squares fit ``epoch time = a * token slots + b * live slot-steps + c * supervised``
-over the four runs (live slot-steps: the (slot, step) pairs whose query side runs, every one of them
-without the skip; step 0's keys and values run at every slot either way).
-
-The block drafts draft only the blocks with a supervised chain position and project only the supervised
-chain positions onto the vocabulary (``block_valid_only``, the default). ``--block-all-slots`` also times
-every block at every chain position (the path before it), interleaved with the default in the same
-process, and reports skip / all per layout with the chain positions projected and the blocks drafted on
-each path, and the saved activations of both.
-
-``--thread-scaling 1 2`` times only the packed layout of each draft, once per thread count
-(``torch.set_num_threads`` between interleaved epochs of one process), and reports wall and CPU time at
-each count, their ratios to the first, and the load average at the end of every epoch: on a shared
-machine the 2-thread wall time depends on what else runs.
+the default); the block drafts draft only the blocks with a supervised chain position and project only
+those positions onto the vocabulary (``block_valid_only``, the default). ``benchmarks/skip_ablation.py``
+times each draft with and without its skip, on this workload and with these options;
+``benchmarks/thread_scaling.py`` times the packed layout at several thread counts. Every run, of this
+script or of those two, ends with each series' model FLOPs per second against the machine's matmul rate.
 
     .venv/bin/python benchmarks/throughput.py --documents 16          # a few minutes on 2 CPU cores
-    .venv/bin/python benchmarks/throughput.py --drafts eagle3 --eagle3-all-slots
-    .venv/bin/python benchmarks/throughput.py --drafts dflash dflash2 dspark --block-all-slots
-    .venv/bin/python benchmarks/throughput.py --documents 16 --thread-scaling 1 2
     .venv/bin/python benchmarks/throughput.py --device cuda --documents 512
 """
 
@@ -73,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import inspect
 import os
 import shlex
 import statistics
@@ -82,38 +67,23 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import datasets
 import numpy as np
 import torch
+from drafts import ALL_DRAFTS, ANCHOR_DRAFTS, build_draft, target_config
 from model_flops import MatmulRate, counted_flops, matmul_rate
 from torch import Tensor
 
-from lightning_drafts import DFlash2Module, DFlashModule, DraftModule, Eagle3Module
+from lightning_drafts import DraftModule
 from lightning_drafts.attention.anchors import anchors_from_positions
-from lightning_drafts.attention.block_masks import block_layout
-from lightning_drafts.blockdraft.objective import block_targets
-from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.datamodules import PackedChatDataModule
 from lightning_drafts.datamodules.documents import Documents
-from lightning_drafts.datamodules.embedded import EMBEDDED_PAD_TOKEN_ID, EMBEDDED_VOCAB_SIZE
+from lightning_drafts.datamodules.embedded import EMBEDDED_PAD_TOKEN_ID
 from lightning_drafts.datamodules.packing import MicroBatchPlan, collate, plan_epoch
-from lightning_drafts.dspark.eval_mask import block_supervision
-from lightning_drafts.eagle3 import count_supervised_tokens
-from lightning_drafts.eagle3.live_slots import live_slots
-from lightning_drafts.eagle3.ttt import ttt_supervision
 
 LAYOUTS = ("packed", "padded")
-# EAGLE-3 without the live-slot skip, timed beside the default under --eagle3-all-slots.
-ALL_SLOTS = ", all slots"
-# Block drafts without the supervised-position skip, timed beside the default under --block-all-slots.
-ALL_POSITIONS = ", all positions"
-ANCHOR_DRAFTS = ("dflash", "dflash2", "dspark")
-ALL_DRAFTS = ("eagle3", *ANCHOR_DRAFTS)
-# Id 0 is <unk>: SentencePiece's byte fallback never emits it, so no document holds it (it also pads,
-# which only matters to serving, not to a throughput measurement).
-MASK_TOKEN_ID = 0
 
 
 @dataclass
@@ -134,7 +104,7 @@ class Workload:
 class Series:
     """One timed configuration: a layout, whether the draft's skip is on (EAGLE-3: TTT steps at live slots
     only; block drafts: supervised blocks and chain positions only), and the thread count (``None``:
-    ``--threads``)."""
+    ``--threads``). This script times the two layouts with the defaults; the ablations vary the rest."""
 
     name: str
     layout: str
@@ -142,17 +112,7 @@ class Series:
     threads: int | None = None
 
 
-def series_of(name: str, args: argparse.Namespace) -> list[Series]:
-    if args.thread_scaling:
-        return [
-            Series(f"packed, {n} thread{'s' * (n > 1)}", "packed", threads=n) for n in args.thread_scaling
-        ]
-    series = [Series(layout, layout) for layout in LAYOUTS]
-    if name == "eagle3" and args.eagle3_all_slots:
-        series += [Series(layout + ALL_SLOTS, layout, skip=False) for layout in LAYOUTS]
-    if name in ANCHOR_DRAFTS and args.block_all_slots:
-        series += [Series(layout + ALL_POSITIONS, layout, skip=False) for layout in LAYOUTS]
-    return series
+PACKED_VS_PADDED = [Series(layout, layout) for layout in LAYOUTS]
 
 
 @dataclass
@@ -229,92 +189,6 @@ def layout_anchors(
         anchors = anchors_from_positions(torch.cat(rows), torch.cat(positions), batch)
         result.append(anchors.to(device))
     return result
-
-
-# --- drafts ----------------------------------------------------------------------------------------
-
-
-def target_config(args: argparse.Namespace) -> dict[str, Any]:
-    """A Llama-shaped target wide enough that its linear layers dominate, with the tokenizer's vocabulary."""
-    hidden = args.hidden_size
-    return {
-        "model_type": "llama",
-        "vocab_size": EMBEDDED_VOCAB_SIZE,
-        "hidden_size": hidden,
-        "intermediate_size": 3 * hidden,
-        "num_hidden_layers": args.target_layers,
-        "num_attention_heads": hidden // 64,
-        "num_key_value_heads": max(1, hidden // 256),
-        "head_dim": 64,
-        "max_position_embeddings": 4 * args.max_tokens,
-        "tie_word_embeddings": False,
-    }
-
-
-def capture_layers(num_layers: int, count: int) -> list[int]:
-    """``count`` distinct ascending layer ids spread over the target (the defaults need deeper targets)."""
-    if num_layers < count:
-        raise ValueError(f"--target-layers {num_layers} is fewer than the {count} captured layers needed")
-    return np.linspace(0, num_layers - 1, count).round().astype(int).tolist()
-
-
-def build_eagle3(args: argparse.Namespace, documents: list[dict[str, Tensor]]) -> DraftModule:
-    counts = count_supervised_tokens(documents, EMBEDDED_VOCAB_SIZE)
-    module = Eagle3Module(
-        target_config(args),
-        target_layer_ids=capture_layers(args.target_layers, 3),
-        ttt_length=args.ttt_length,
-        draft_vocab_size=args.draft_vocab_size,
-        token_frequencies=counts,
-    )
-    # A random target's greedy token is uniform over 32,000 ids and would leave the draft vocabulary
-    # 7 times in 8, dropping those positions from the loss; a trained target's stays inside it about as
-    # often as the vocabulary covers the data (here 100%). Silencing the other LM-head rows restores that,
-    # so the logits and loss work per supervised position is what real training does.
-    with torch.no_grad():
-        keep = torch.zeros(EMBEDDED_VOCAB_SIZE, dtype=torch.bool)
-        keep[module.draft.selected_token_ids] = True
-        module.target.lm_head.weight[~keep] = 0.0
-    return module
-
-
-def block_draft_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The block drafts' shared arguments; ``logits_chunk_blocks`` only when asked (else each default)."""
-    arguments = {
-        "mask_token_id": MASK_TOKEN_ID,
-        "target_layer_ids": capture_layers(args.target_layers, min(args.draft_layers, args.target_layers)),
-        "num_draft_layers": args.draft_layers,
-        "block_size": args.block_size,
-        "num_anchors": args.anchors,
-    }
-    if args.logits_chunk_blocks is not None:
-        arguments["logits_chunk_blocks"] = args.logits_chunk_blocks or None
-    return arguments
-
-
-def build_block_draft(cls: type[DraftModule], args: argparse.Namespace) -> DraftModule:
-    return cls(target_config(args), **block_draft_arguments(args))
-
-
-def build_dspark(args: argparse.Namespace) -> DraftModule:
-    """DSpark, once ``lightning_drafts`` exports it; only the arguments its constructor takes are passed."""
-    try:
-        from lightning_drafts import DSparkModule
-    except ImportError as error:
-        raise NotImplementedError(f"DSparkModule is not importable yet ({error})") from error
-    accepted = inspect.signature(DSparkModule.__init__).parameters
-    wanted = block_draft_arguments(args)
-    return DSparkModule(target_config(args), **{k: v for k, v in wanted.items() if k in accepted})
-
-
-def build_draft(name: str, args: argparse.Namespace, padded: list[dict[str, Tensor]]) -> DraftModule:
-    if name == "eagle3":
-        return build_eagle3(args, padded)
-    if name == "dflash":
-        return build_block_draft(DFlashModule, args)
-    if name == "dflash2":
-        return build_block_draft(DFlash2Module, args)
-    return build_dspark(args)
 
 
 # --- measurement -----------------------------------------------------------------------------------
@@ -463,10 +337,6 @@ class DraftResult:
     epochs: dict[str, list[Epoch]]
     micro_batches: dict[str, int]
     series: list[Series]
-    live_slot_steps: dict[str, int] = field(default_factory=dict)
-    # Block drafts, per layout: chain positions, supervised ones, blocks, blocks with a supervised position.
-    chain_work: dict[str, ChainWork] = field(default_factory=dict)
-    setup_note: str = ""
     # Model FLOPs of one epoch of each series (FlopCounterMode over forward and backward; model_flops.py).
     flops: dict[str, int] = field(default_factory=dict)
 
@@ -494,51 +364,6 @@ def configured(module: DraftModule, series: Series) -> Iterator[None]:
             module.hparams[flag] = True
 
 
-@torch.no_grad()
-def live_slot_steps(module: DraftModule, batches: list[dict[str, Tensor]]) -> int:
-    """The (slot, step) pairs whose query side EAGLE-3 computes over ``batches`` with the skip (untimed)."""
-    total = 0
-    for batch in batches:
-        packed = module.prepare_batch(batch)
-        supervision = ttt_supervision(packed, module.teacher_signal(packed), module.hparams.ttt_length)
-        total += sum(slots.numel() for slots in live_slots(supervision.supervised))
-    return total
-
-
-@dataclass(frozen=True)
-class ChainWork:
-    """A block draft's chain positions over an epoch of one layout, and how many the skip keeps."""
-
-    positions: int
-    supervised: int
-    blocks: int
-    supervised_blocks: int
-
-
-def chain_valid(packed: PackedBatch, anchors: Tensor, block_size: int, dspark: bool) -> Tensor:
-    """``[M, D]`` supervision of the chain positions of the blocks at ``anchors`` (DFlash's one known slot)."""
-    layout = block_layout(packed, anchors, block_size)
-    if dspark:
-        return block_supervision(packed, layout).valid
-    return block_targets(packed, layout, torch.ones_like(layout.anchors)).valid
-
-
-@torch.no_grad()
-def chain_work(
-    module: DraftModule, batches: list[dict[str, Tensor]], anchors: list[Tensor | None], dspark: bool
-) -> ChainWork:
-    valid = [
-        chain_valid(module.prepare_batch(batch), batch_anchors, module.block_size, dspark)
-        for batch, batch_anchors in zip(batches, anchors, strict=True)
-    ]
-    return ChainWork(
-        positions=sum(v.numel() for v in valid),
-        supervised=sum(int(v.sum()) for v in valid),
-        blocks=sum(v.shape[0] for v in valid),
-        supervised_blocks=sum(int(v.any(dim=1).sum()) for v in valid),
-    )
-
-
 def epoch_flops(module: DraftModule, fresh: FreshStart, workload: Workload, run: Series, name: str) -> int:
     """Model FLOPs of one (untimed) epoch of ``run``: FlopCounterMode over every step (model_flops.py)."""
     pairs = list(zip(workload.batches[run.layout], workload.anchors[run.layout], strict=True))
@@ -552,13 +377,10 @@ def epoch_flops(module: DraftModule, fresh: FreshStart, workload: Workload, run:
         return counted_flops(epoch)
 
 
-def measure_draft(
-    name: str,
-    args: argparse.Namespace,
-    documents: Documents,
-    device: torch.device,
-    log: Callable[[str], None],
-) -> DraftResult:
+def prepare_draft(
+    name: str, args: argparse.Namespace, documents: Documents, device: torch.device
+) -> tuple[DraftModule, Workload]:
+    """The draft ``name`` and its micro-batches in both layouts, with the anchors fixed per document."""
     plans = {
         layout: plan(documents, layout, args.max_tokens, args.micro_batch, args.seed) for layout in LAYOUTS
     }
@@ -570,11 +392,22 @@ def measure_draft(
         anchors = {
             layout: layout_anchors(offsets, plans[layout], documents.lengths, device) for layout in LAYOUTS
         }
-    workload = Workload(batches=batches, anchors=anchors)
+    return module, Workload(batches=batches, anchors=anchors)
+
+
+def time_draft(
+    name: str,
+    module: DraftModule,
+    workload: Workload,
+    series: list[Series],
+    args: argparse.Namespace,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> DraftResult:
+    """Warm up every series, then ``--repeats`` interleaved timed epochs of each, then each one's FLOPs."""
+    batches = workload.batches
     fresh = FreshStart(module, args.learning_rate)
     memory = PeakMemory(device)
-    series = series_of(name, args)
-
     for run in series:
         log(f"{name}: warmup, {run.name} ({len(batches[run.layout])} micro-batches an epoch)")
         with configured(module, run):
@@ -590,27 +423,27 @@ def measure_draft(
     counts = {run.name: {e.supervised for e in epochs[run.name]} for run in series}
     if len(set().union(*counts.values())) != 1:
         raise RuntimeError(f"{name}: the runs supervised different positions: {counts}")
-    steps = {}
-    if name == "eagle3" and not args.thread_scaling:
-        width = args.ttt_length
-        steps = {run.name: width * workload.slots(run.layout) for run in series if not run.skip}
-        steps |= {run.name: live_slot_steps(module, batches[run.layout]) for run in series if run.skip}
-    work = {}
-    if name in ANCHOR_DRAFTS:
-        work = {
-            layout: chain_work(module, batches[layout], anchors[layout], name == "dspark")
-            for layout in LAYOUTS
-        }
     return DraftResult(
         name=name,
         workload=workload,
         epochs=epochs,
         micro_batches={layout: len(batches[layout]) for layout in LAYOUTS},
         series=series,
-        live_slot_steps=steps,
-        chain_work=work,
         flops=flops,
     )
+
+
+def measure_draft(
+    name: str,
+    args: argparse.Namespace,
+    documents: Documents,
+    device: torch.device,
+    log: Callable[[str], None],
+    series: list[Series] = PACKED_VS_PADDED,
+) -> DraftResult:
+    """The draft ``name`` timed over ``series`` (default: packed against padded, each draft's defaults)."""
+    module, workload = prepare_draft(name, args, documents, device)
+    return time_draft(name, module, workload, series, args, device, log)
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -692,133 +525,23 @@ def detail_rows(result: DraftResult) -> list[str]:
     return rows
 
 
-def skip_cells(result: DraftResult, layout: str, every: str, cpu: bool) -> str:
-    """The cells of a skip-against-reference row: both median throughputs, their ratio (per-pair range),
-    and on CPU the same ratio by CPU time."""
-    wall, low, high = ratio(result, "seconds", layout, every)
-    cells = (
-        f" {statistics.median(rates(result, layout, 'seconds')):,.0f} | "
-        f"{statistics.median(rates(result, every, 'seconds')):,.0f} | {wall:.2f}x ({low:.2f}-{high:.2f}) |"
-    )
-    if cpu:
-        cpu_ratio, cpu_low, cpu_high = ratio(result, "cpu_seconds", layout, every)
-        cells += f" {cpu_ratio:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}) |"
-    return cells
-
-
-def all_slots_section(result: DraftResult, cpu: bool) -> list[str]:
-    """EAGLE-3 with the live-slot skip against every slot at every step, and the linear time fit."""
-    if result.name != "eagle3" or all(run.skip for run in result.series):
-        return []
-    cpu_head, cpu_rule = (" live / all by CPU time |", "---:|") if cpu else ("", "")
+def layout_tables(results: list[DraftResult], cpu: bool) -> list[str]:
+    """The packed / padded summary (a row per draft) and every series' epochs (a row per series)."""
+    cpu_head, cpu_rule = (" packed/padded by CPU time |", "---:|") if cpu else ("", "")
     lines = [
+        "| draft | measure | packed | padded | packed/padded (pairs) | padding (padded) | limit 1/(1-p) | "
+        f"of limit |{cpu_head} saved act. MiB / 1k real tokens (packed / padded) | largest micro-batch saved "
+        "act. MiB (packed / padded) | peak memory growth MiB (packed / padded) |",
+        f"|---|---|---:|---:|---:|---:|---:|---:|{cpu_rule}---:|---:|---:|",
+        *(summary_row(result, cpu) for result in results),
         "",
-        "EAGLE-3, TTT steps at live slots only (default) vs every slot (`ttt_live_slots_only=False`):",
+        "Per layout (epoch times in run order):",
         "",
-        f"| layout | live slots, real tokens/s | all slots, real tokens/s | live / all (pairs) |{cpu_head} "
-        "live slot-steps, live / all | saved act. MiB / 1k real tokens, live / all |",
-        f"|---|---:|---:|---:|{cpu_rule}---:|---:|",
-    ]
-    for layout in LAYOUTS:
-        every = layout + ALL_SLOTS
-        lines.append(
-            f"| {layout} |{skip_cells(result, layout, every, cpu)} "
-            f"{result.live_slot_steps[layout]:,} / {result.live_slot_steps[every]:,} | "
-            f"{saved_per_1k(result, layout):.0f} / {saved_per_1k(result, every):.0f} |"
-        )
-    # On CPU the fit takes process CPU time: on a shared machine the wall time is mostly other processes'.
-    lines += ["", *time_fit(result, "cpu_seconds" if cpu else "seconds")]
-    return lines
-
-
-def all_positions_section(result: DraftResult, cpu: bool) -> list[str]:
-    """A block draft with the supervised-block / position skip against every block and position."""
-    if result.name not in ANCHOR_DRAFTS or all(run.skip for run in result.series):
-        return []
-    cpu_head, cpu_rule = (" skip / all by CPU time |", "---:|") if cpu else ("", "")
-    lines = [
-        "",
-        f"{result.name}, supervised blocks and chain positions only (default) vs every block and position "
-        "(`block_valid_only=False`):",
-        "",
-        f"| layout | skip, supervised positions/s | all, supervised positions/s | skip / all (pairs) |{cpu_head} "
-        "vocabulary rows, skip / all | blocks drafted, skip / all | saved act. MiB / 1k real tokens, skip / all |",
-        f"|---|---:|---:|---:|{cpu_rule}---:|---:|---:|",
-    ]
-    for layout in LAYOUTS:
-        every, work = layout + ALL_POSITIONS, result.chain_work[layout]
-        # Every DSpark block has a supervised slot 0; DFlash's blocks without one are not drafted.
-        lines.append(
-            f"| {layout} |{skip_cells(result, layout, every, cpu)} {work.supervised:,} / {work.positions:,} | "
-            f"{work.supervised_blocks:,} / {work.blocks:,} | "
-            f"{saved_per_1k(result, layout):.0f} / {saved_per_1k(result, every):.0f} |"
-        )
-    return lines
-
-
-def time_fit(result: DraftResult, clock: str) -> list[str]:
-    """Least squares ``median epoch time = a * token slots + b * live slot-steps + c * supervised`` (by
-    ``clock``: ``"seconds"`` or ``"cpu_seconds"``) over the timed series, with each term's share of every
-    series' fitted time."""
-    names = [run.name for run in result.series]
-    features = np.array(
-        [
-            [
-                result.workload.slots(result.layout(name)),
-                result.live_slot_steps[name],
-                result.epochs[name][0].supervised,
-            ]
-            for name in names
-        ],
-        dtype=float,
-    )
-    seconds = np.array([statistics.median(getattr(e, clock) for e in result.epochs[name]) for name in names])
-    coefficients, *_ = np.linalg.lstsq(features, seconds, rcond=None)
-    a, b, c = (1e6 * x for x in coefficients)
-    lines = [
-        f"Fit over the {len(names)} series: time = a * token slots + b * live slot-steps + c * supervised, "
-        f"a = {a:.0f} us, b = {b:.0f} us, c = {c:.0f} us ({'CPU time' if clock == 'cpu_seconds' else 'wall'}, "
-        "median epoch).",
-        "",
-        "| series | token slots | live slot-steps | supervised | measured s | fitted s | a / b / c share |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for name, row, measured in zip(names, features, seconds, strict=True):
-        terms = row * coefficients
-        shares = " / ".join(f"{t / terms.sum():.0%}" for t in terms)
-        lines.append(
-            f"| {name} | {row[0]:,.0f} | {row[1]:,.0f} | {row[2]:,.0f} | {measured:.1f} | {terms.sum():.1f} | "
-            f"{shares} |"
-        )
-    return lines
-
-
-def thread_scaling_report(results: list[DraftResult], threads: list[int]) -> list[str]:
-    """Each draft's packed epoch at every thread count: wall and CPU time (median), their ratios to the
-    first count's, the per-pair wall ratios, and the load average beside each epoch."""
-    first = threads[0]
-    lines = [
-        f"Packed layout at {', '.join(map(str, threads))} threads, interleaved epochs in one process; "
-        f"ratios are to {first} thread{'s' * (first > 1)}, load = 1-minute load average at each epoch's end:",
-        "",
-        "| draft | threads | wall s (median) | CPU s (median) | CPU / wall | wall ratio (pairs) | CPU ratio | "
-        "wall s per epoch | load per epoch |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| draft | layout | micro-batches | real tokens | token slots | padding | supervised | wall s | CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for result in results:
-        names = [run.name for run in result.series]
-        base = result.epochs[names[0]]
-        for count, name in zip(threads, names, strict=True):
-            epochs = result.epochs[name]
-            wall = statistics.median(e.seconds for e in epochs)
-            cpu_time = statistics.median(e.cpu_seconds for e in epochs)
-            pairs = [e.seconds / b.seconds for e, b in zip(epochs, base, strict=True)]
-            lines.append(
-                f"| {result.name} | {count} | {wall:.1f} | {cpu_time:.1f} | {cpu_time / wall:.2f} | "
-                f"{wall / statistics.median(b.seconds for b in base):.2f} ({min(pairs):.2f}-{max(pairs):.2f}) | "
-                f"{cpu_time / statistics.median(b.cpu_seconds for b in base):.2f} | "
-                f"{', '.join(f'{e.seconds:.1f}' for e in epochs)} | {', '.join(f'{e.load:.1f}' for e in epochs)} |"
-            )
+        lines += detail_rows(result)
     return lines
 
 
@@ -882,49 +605,38 @@ def flops_section(
     return lines
 
 
-def report(
-    results: list[DraftResult],
-    skipped: dict[str, str],
-    cpu: bool,
-    header: str,
-    limits: dict[int, MatmulRate],
-    threads: int,
-    thread_scaling: list[int] | None = None,
-) -> str:
-    if thread_scaling:
-        lines = [header, "", *thread_scaling_report(results, thread_scaling)]
-        lines += flops_section(results, limits, threads, cpu)
-        return "\n".join(lines + [f"\n{name}: skipped: {why}" for name, why in skipped.items()])
-    cpu_head, cpu_rule = (" packed/padded by CPU time |", "---:|") if cpu else ("", "")
-    lines = [
-        header,
-        "",
-        "| draft | measure | packed | padded | packed/padded (pairs) | padding (padded) | limit 1/(1-p) | "
-        f"of limit |{cpu_head} saved act. MiB / 1k real tokens (packed / padded) | largest micro-batch saved "
-        "act. MiB (packed / padded) | peak memory growth MiB (packed / padded) |",
-        f"|---|---|---:|---:|---:|---:|---:|---:|{cpu_rule}---:|---:|---:|",
-        *(summary_row(result, cpu) for result in results),
-        "",
-        "Per layout (epoch times in run order):",
-        "",
-        "| draft | layout | micro-batches | real tokens | token slots | padding | supervised | wall s | CPU s |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
-    ]
-    for result in results:
-        lines += detail_rows(result)
-    for result in results:
-        lines += all_slots_section(result, cpu)
-        lines += all_positions_section(result, cpu)
-    lines += flops_section(results, limits, threads, cpu)
-    lines += [f"\n{name}: skipped: {why}" for name, why in skipped.items()]
-    return "\n".join(lines)
+R = TypeVar("R")
+
+
+@dataclass
+class Run(Generic[R]):
+    """One run over ``--drafts``: each draft's result, the drafts skipped and why, the matmul rates at each
+    thread count, and the report's header."""
+
+    results: list[R]
+    skipped: dict[str, str]
+    limits: dict[int, MatmulRate]
+    header: str
+    threads: int
+    cpu: bool
+
+    def ending(self, results: list[DraftResult]) -> list[str]:
+        """What every report ends with: the FLOPs section of ``results`` and the drafts skipped."""
+        lines = flops_section(results, self.limits, self.threads, self.cpu)
+        return lines + [f"\n{name}: skipped: {why}" for name, why in self.skipped.items()]
+
+
+def report(run: Run[DraftResult]) -> str:
+    lines = [run.header, "", *layout_tables(run.results, run.cpu)]
+    return "\n".join(lines + run.ending(run.results))
 
 
 # --- command line ----------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The options of the workload, the drafts and the timing, shared by the scripts that reuse them."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--drafts", nargs="+", choices=ALL_DRAFTS, default=list(ALL_DRAFTS))
     parser.add_argument("--documents", type=int, default=64, help="documents in the fixed subset")
     parser.add_argument("--max-tokens", type=int, default=1024, help="packed row width, document limit")
@@ -945,25 +657,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-layers", type=int, default=4)
     parser.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3 TTT steps")
     parser.add_argument("--draft-vocab-size", type=int, default=4096, help="EAGLE-3 draft vocabulary")
-    parser.add_argument(
-        "--eagle3-all-slots",
-        action="store_true",
-        help="also time EAGLE-3 with every slot at every TTT step (ttt_live_slots_only=False), interleaved",
-    )
-    parser.add_argument(
-        "--block-all-slots",
-        action="store_true",
-        help="also time the block drafts with every block at every chain position (block_valid_only=False), "
-        "interleaved",
-    )
-    parser.add_argument(
-        "--thread-scaling",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="THREADS",
-        help="time only the packed layout, once per thread count (e.g. 1 2), interleaved in one process",
-    )
     parser.add_argument("--draft-layers", type=int, default=2, help="DFlash / DFlash2 / DSpark draft layers")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--anchors", type=int, default=16, help="anchors per document (block drafts)")
@@ -981,7 +674,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="untimed micro-batches per layout before timing (-1: an epoch; default 1 on CPU, "
         "an epoch on CUDA, where every new shape compiles)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def device_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``--warmup`` and ``--dtype`` when not given: their defaults depend on ``--device``."""
     if args.warmup is None:
         args.warmup = -1 if args.device == "cuda" else 1
     if args.dtype is None:
@@ -990,35 +687,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    datasets.disable_progress_bars()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was requested but CUDA is not available")
-    torch.manual_seed(args.seed)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return device_defaults(workload_parser(__doc__.split("\n")[0]).parse_args(argv))
 
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
-    documents = load_documents(args.max_tokens, args.documents, args.seed)
-    load_before = os.getloadavg()
-    counts = args.thread_scaling or [args.threads]
-    limits_before = measure_limits(counts, args.dtype, device)
-    results, skipped = [], {}
-    for name in args.drafts:
-        try:
-            results.append(measure_draft(name, args, documents, device, log))
-        except NotImplementedError as why:
-            skipped[name] = str(why)
-            log(f"{name}: skipped: {why}")
-    load_after = os.getloadavg()
-    limits = best_limits(limits_before, measure_limits(counts, args.dtype, device))
-
+def header(
+    args: argparse.Namespace,
+    command: str,
+    documents: Documents,
+    device: torch.device,
+    loads: tuple[tuple[float, ...], tuple[float, ...]],
+    thread_counts: list[int],
+) -> str:
+    """The machine, the load, the documents, the target and the drafts of a run."""
     target = target_config(args)
-    header = "\n".join(
+    load_before, load_after = loads
+    return "\n".join(
         [
             f"Command: `{command}`",
             "",
@@ -1026,7 +710,7 @@ def main(argv: list[str] | None = None) -> None:
             + (
                 f" ({torch.cuda.get_device_name(device)})"
                 if device.type == "cuda"
-                else f", {'/'.join(map(str, args.thread_scaling)) if args.thread_scaling else args.threads} threads"
+                else f", {'/'.join(map(str, thread_counts))} threads"
             )
             + f", {str(args.dtype).removeprefix('torch.')}; load average (1/5/15 min) "
             f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start, "
@@ -1045,7 +729,46 @@ def main(argv: list[str] | None = None) -> None:
             "Throughput columns are medians over the repeats; 'of limit' = (packed/padded) / limit.",
         ]
     )
-    print(report(results, skipped, device.type == "cpu", header, limits, args.threads, args.thread_scaling))
+
+
+def run_drafts(
+    args: argparse.Namespace,
+    measure: Callable[[str, argparse.Namespace, Documents, torch.device, Callable[[str], None]], R],
+    thread_counts: list[int] | None = None,
+) -> Run[R]:
+    """``measure`` every draft of ``--drafts`` on the same documents, between two measurements of the
+    matmul rate at each of ``thread_counts`` (default: ``--threads``)."""
+    datasets.disable_progress_bars()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was requested but CUDA is not available")
+    torch.manual_seed(args.seed)
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
+    documents = load_documents(args.max_tokens, args.documents, args.seed)
+    load_before = os.getloadavg()
+    counts = thread_counts or [args.threads]
+    limits_before = measure_limits(counts, args.dtype, device)
+    results, skipped = [], {}
+    for name in args.drafts:
+        try:
+            results.append(measure(name, args, documents, device, log))
+        except NotImplementedError as why:
+            skipped[name] = str(why)
+            log(f"{name}: skipped: {why}")
+    load_after = os.getloadavg()
+    limits = best_limits(limits_before, measure_limits(counts, args.dtype, device))
+    text = header(args, command, documents, device, (load_before, load_after), counts)
+    return Run(results, skipped, limits, text, args.threads, device.type == "cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(report(run_drafts(args, measure_draft)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Per draft (EAGLE-3, MLA-EAGLE-3, DFlash, DFlash2, DSpark), both implementations 
   rows of ``--max-tokens`` and one document per padded row), validated once per step by each side
   (``validate_batch``, the pack);
 * the same initial draft weights (NeMo's draft gets the project draft's through the oracle's weight
-  mapping, ``tests/reference/nemo.py``), restored with a fresh AdamW at the start of every timed epoch;
+  mapping, ``benchmarks/nemo_reference.py``), restored with a fresh AdamW at the start of every timed epoch;
 * the same anchors: DFlash / DFlash2 take the throughput benchmark's (drawn per document, placed in
   each layout) through the trainer method NeMo samples with; DSpark's draft samples its own, so NeMo's
   sampler draws them (seeded, with the largest per-row count of the throughput anchors as its budget)
@@ -61,19 +61,21 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Run as a script, so its own folder is on the path: the throughput benchmark's workload, reused as is.
+# Run as a script, so its own folder is on the path: the throughput benchmark's workload and drafts,
+# reused as is.
+import drafts  # noqa: E402
 import throughput  # noqa: E402
-
-from lightning_drafts import DraftModule, MLAEagle3Module  # noqa: E402
-from lightning_drafts.core.batch import validate_batch  # noqa: E402
-from lightning_drafts.datamodules.embedded import EMBEDDED_VOCAB_SIZE  # noqa: E402
-from tests.reference.nemo import (  # noqa: E402
+from nemo_reference import (  # noqa: E402
     Reference,
     dflash_reference,
     dspark_anchors,
     dspark_reference,
     eagle3_reference,
 )
+
+from lightning_drafts import DraftModule, MLAEagle3Module  # noqa: E402
+from lightning_drafts.core.batch import validate_batch  # noqa: E402
+from lightning_drafts.datamodules.embedded import EMBEDDED_VOCAB_SIZE  # noqa: E402
 
 DRAFTS = ("eagle3", "mla_eagle3", "dflash", "dflash2", "dspark")
 LAYOUTS = throughput.LAYOUTS
@@ -165,29 +167,15 @@ def mla_target_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_module(name: str, args: argparse.Namespace, padded: list[dict[str, Tensor]]) -> DraftModule:
     if name != "mla_eagle3":
-        return throughput.build_draft(name, args, padded)
-    counts = throughput.count_supervised_tokens(padded, EMBEDDED_VOCAB_SIZE)
-    module = MLAEagle3Module(
-        mla_target_config(args),
-        target_layer_ids=throughput.capture_layers(args.target_layers, 3),
-        ttt_length=args.ttt_length,
-        draft_vocab_size=args.draft_vocab_size,
-        token_frequencies=counts,
-    )
-    with (
-        torch.no_grad()
-    ):  # as throughput.build_eagle3: the random teacher's greedy token in the draft vocabulary
-        keep = torch.zeros(EMBEDDED_VOCAB_SIZE, dtype=torch.bool)
-        keep[module.draft.selected_token_ids] = True
-        module.target.lm_head.weight[~keep] = 0.0
-    return module
+        return drafts.build_draft(name, args, padded)
+    return drafts.build_eagle3(args, padded, MLAEagle3Module, mla_target_config(args))
 
 
 def throughput_anchors(
     name: str, module: DraftModule, documents: Any, plans: dict, batches: dict, seed: int
 ) -> dict[str, list[Tensor | None]]:
     """The throughput benchmark's anchors per layout (None for EAGLE-3)."""
-    if name not in throughput.ANCHOR_DRAFTS:
+    if name not in drafts.ANCHOR_DRAFTS:
         return {layout: [None] * len(batches[layout]) for layout in LAYOUTS}
     offsets = throughput.document_anchors(module, batches["padded"], plans["padded"], seed)
     return {
@@ -300,7 +288,7 @@ def measure_layout(
             f"({theirs_user[-1]:.1f} user, {theirs_faults[-1]:,} minor faults) CPU"
         )
     real = int(batches[0]["attention_mask"].sum())
-    if name in throughput.ANCHOR_DRAFTS:
+    if name in drafts.ANCHOR_DRAFTS:
         count = sum(int((a >= 0).sum()) for a in anchors)
         work = f"{count:,} blocks"
     else:
@@ -378,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
     load_before = os.getloadavg()
     documents = throughput.load_documents(args.max_tokens, args.documents, args.seed)
-    target = throughput.target_config(args)
+    target = drafts.target_config(args)
     header = [
         f"Command: `{command}`",
         "",

@@ -8,8 +8,7 @@ this package would make the training layer import the layers above it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_drafts.core.lazy_names import lazy_names
 
 # Public name -> the module that defines it.
 _PUBLIC = {
@@ -25,13 +24,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'lightning_drafts.callbacks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)

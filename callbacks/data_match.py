@@ -38,7 +38,7 @@ class DataMatchCallback(L.Callback):
             # Training from captured features, or with the target on its own workers: no decoder here.
             rank_zero_info(
                 "data match: not measured (the target's decoder is not in this process: target_decoder=False "
-                "or target_workers)"
+                "or remote.workers)"
             )
             return
         self.result = result = target_match(target, documents, self.num_documents, self.seed)

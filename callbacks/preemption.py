@@ -74,7 +74,8 @@ class PreemptionCheckpoint(L.Callback):
             f"received {signal.Signals(signum).name}: saving step {trainer.global_step} to {path} and stopping "
             "(resume with `fit --ckpt_path last`)"
         )
-        trainer.save_checkpoint(path)
+        # A whole, resumable checkpoint (optimizer, loops, callbacks); said, so Lightning does not log its default.
+        trainer.save_checkpoint(path, weights_only=False)
         # The step is saved as done, so its metrics must reach the logger, which Lightning does only after
         # this hook: without this the TensorBoard curve would miss the step the run stopped at.
         connector = trainer._logger_connector

@@ -7,7 +7,6 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,11 @@ from lightning_drafts.datamodules.embedded import (
 from lightning_drafts.datamodules.feature_store import FeatureStore, SourceFeatures, union_by_start
 from lightning_drafts.datamodules.loader import LoaderState, PackedEpochDataset, PlanOrder, ResumableLoader
 from lightning_drafts.datamodules.packing import resolve_packing
-from lightning_drafts.datamodules.preview import CLOSE, OPEN, mark_supervised
+from lightning_drafts.datamodules.reserved_ids import reserved_id_problem
 from lightning_drafts.datamodules.row_locations import RowLocations
+from lightning_drafts.datamodules.setup_summary import log_setup_summary
 from lightning_drafts.datamodules.templates import resolve_chat_template
 from lightning_drafts.datamodules.tokenize import (
-    NAMED_PER_REASON,
     SHAPE_COUNTS,
     ChatOptions,
     TokenizedCorpus,
@@ -212,6 +211,14 @@ class PackedChatDataModule(LightningDataModule):
             )
         elif self.val_fraction > 0:
             train_index, val_index = split_by_content(documents, self.val_fraction, self.seed)
+            if len(val_index) == 0:
+                logger.warning(
+                    "val_fraction=%s held out no document: all %d documents have one content (copies of one "
+                    "another), and copies stay on one side of the split, so holding them out would leave none to "
+                    "train on; add other documents, or give val_data_files",
+                    self.val_fraction,
+                    len(documents),
+                )
             val_documents = documents.select(val_index)
             documents = documents.select(train_index)
             val_shapes = {name: counts[val_index] for name, counts in shapes.items()}
@@ -296,34 +303,10 @@ class PackedChatDataModule(LightningDataModule):
         return self._features.source(self.source_of(split))
 
     def reserved_id_problem(self, token_id: int) -> str | None:
-        """Why ``token_id`` cannot be a reserved id (a block draft's mask token), or ``None``.
-
-        A reserved id is one text never produces: a special or added token of the tokenizer (other than
-        its eos / bos / pad / unk) or an id past the tokenizer's tokens (an unused embedding row, as
-        Qwen3's 151669). An ordinary text token is refused even where this data lacks it (the next data
-        or a served prompt holds it), and so is any id that occurs in the documents (after :meth:`setup`).
-        """
-        tokenizer = self.tokenizer
-        named = {}
-        for name in ("eos", "bos", "pad", "unk"):
-            named.setdefault(getattr(tokenizer, f"{name}_token_id"), name)
-        if token_id in named:
-            name = named[token_id]
-            return f"the tokenizer's {name} token {getattr(tokenizer, f'{name}_token')!r}"
-        count = self._occurrences(token_id)
-        occurs = f", which occurs {count:,} times in the data" if count else ""
-        reserved = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-        if 0 <= token_id < len(tokenizer) and token_id not in reserved:
-            unused = (i for i in sorted(reserved - set(named)) if not self._occurrences(i))
-            listed = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in islice(unused, 5))
-            return (
-                f"token {tokenizer.convert_ids_to_tokens(token_id)!r}{occurs}: an ordinary text token of the "
-                f"tokenizer; pick a special or added token the data never uses ({listed or 'it has none'}) or "
-                f"an id past its {len(tokenizer):,} tokens"
-            )
-        if count:
-            return f"token {tokenizer.convert_ids_to_tokens(token_id)!r}{occurs}"
-        return None
+        """Why ``token_id`` cannot be a reserved id (a block draft's mask token), or ``None``
+        (:func:`~lightning_drafts.datamodules.reserved_ids.reserved_id_problem` over this tokenizer and, after
+        :meth:`setup`, these documents)."""
+        return reserved_id_problem(self.tokenizer, token_id, self._occurrences)
 
     def _occurrences(self, token_id: int) -> int:
         # Train and validation documents may be views of one token array: count each array once.
@@ -432,76 +415,18 @@ class PackedChatDataModule(LightningDataModule):
         }
 
     def _log_summary(self) -> None:
-        show_console(logger)
-        info = logger.info if self.setup_summary else logger.debug
-        for split, counts in self.stats.items():
-            info(
-                "%s split: %d documents, %d tokens, %d supervised tokens, %d truncated, %d dropped, %d malformed; "
-                "%d tool calls (supervised), %d tool results (not supervised), %d reasoning tokens (%d supervised, "
-                "%d not), %d turns whose reasoning the template dropped, %d media parts dropped "
-                "(max_tokens=%d, long_documents=%s, packing=%s)",
-                split,
-                counts["documents"],
-                counts["tokens"],
-                counts["supervised_tokens"],
-                counts["truncated"],
-                counts["dropped"],
-                counts["malformed"],
-                counts["tool_calls"],
-                counts["tool_results"],
-                counts["reasoning_tokens"],
-                counts["reasoning_supervised"],
-                counts["reasoning_tokens"] - counts["reasoning_supervised"],
-                counts["reasoning_dropped"],
-                counts["media_dropped"],
-                self.max_tokens,
-                self.long_documents,
-                self.packing,
-            )
-            if counts["malformed"]:
-                named = [
-                    where
-                    for reason in counts["malformed_reasons"]
-                    for where in self.first_malformed.get(reason, [])[:NAMED_PER_REASON]
-                ]
-                logger.warning(
-                    "%s split: %d malformed rows skipped: %s%s",
-                    split,
-                    counts["malformed"],
-                    counts["malformed_reasons"],
-                    "".join(f"\n  {where}" for where in named),
-                )
-            if counts["truncated"] or counts["dropped"]:
-                logger.warning(
-                    "%s split: %d documents longer than max_tokens=%d were %s",
-                    split,
-                    counts["truncated"] or counts["dropped"],
-                    self.max_tokens,
-                    "truncated" if counts["truncated"] else "dropped",
-                )
-            if counts["answers_truncated_away"]:
-                logger.warning(
-                    "%s split: %d of %d documents keep no supervised token: their prompt alone fills "
-                    "max_tokens=%d, so truncation cut the whole answer; raise max_tokens (or long_documents='drop')",
-                    split,
-                    counts["answers_truncated_away"],
-                    counts["documents"],
-                    self.max_tokens,
-                )
-            elif counts["tokens"] and counts["supervised_tokens"] in (0, counts["tokens"]):
-                logger.warning(
-                    "%s split: %s of %d tokens are supervised; the loss mask should cover assistant tokens only, "
-                    "so check the chat template",
-                    split,
-                    "none" if counts["supervised_tokens"] == 0 else "all",
-                    counts["tokens"],
-                )
-        ids, mask = self.train_documents.tokens(0)
-        info(
-            "one training sample (supervised tokens between %s and %s):\n%s",
-            OPEN,
-            CLOSE,
-            mark_supervised(self.tokenizer, ids[: self.max_tokens], mask[: self.max_tokens]),
+        log_setup_summary(
+            logger,
+            self.stats,
+            self.first_malformed,
+            self.tokenizer,
+            self.train_documents,
+            settings={
+                "max_tokens": self.max_tokens,
+                "long_documents": self.long_documents,
+                "packing": self.packing,
+            },
+            verbose=self.setup_summary,
         )
 
     # ------------------------------------------------------------------ loaders
@@ -601,15 +526,6 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     raise ValueError(
         f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token; set tokenizer.pad_token first"
     )
-
-
-def show_console(target: logging.Logger) -> None:
-    """Let ``target``'s INFO records reach the console when the application configured no logging (the
-    CLI, a notebook), as Lightning does for its own logger; an application's own handlers win."""
-    if target.level == logging.NOTSET:
-        target.setLevel(logging.INFO)
-    if not logging.getLogger().hasHandlers() and not target.handlers:
-        target.addHandler(logging.StreamHandler())
 
 
 def _field_note(field: str) -> str:

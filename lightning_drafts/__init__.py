@@ -9,8 +9,7 @@ The package is layered (lower layers never import higher ones; ``lint-imports`` 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_drafts.core.lazy_names import lazy_names
 
 # Public name -> the module that defines it.
 _PUBLIC = {
@@ -35,13 +34,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'lightning_drafts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)

@@ -86,14 +86,11 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-    """First-party modules a file imports, anywhere in it, except under ``if TYPE_CHECKING:`` (never run)."""
+    """First-party modules a file imports, anywhere in it, those under ``if TYPE_CHECKING:`` included: an
+    import for annotations only never runs, but a circle through it still ties the two files together."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -188,10 +185,10 @@ OLD_EXPORTS = [
 def test_a_checkpoint_of_the_old_layout_loads_and_exports_byte_identical(draft, layout, tmp_path):
     checkpoint = OLD_LAYOUT / f"{draft}.ckpt"
     module = load_draft_checkpoint(checkpoint)
-    assert (
-        f"{type(module).__module__}.{type(module).__qualname__}"
-        == torch.load(checkpoint, weights_only=False)["draft_class"]
-    )
+    recorded = torch.load(checkpoint, weights_only=False)["draft_class"]
+    # A class that has moved since (DFlash2Module, out of dflash/module.py) loads from where it was.
+    expected = MOVED_SINCE_D429C0E.get(recorded, recorded)
+    assert f"{type(module).__module__}.{type(module).__qualname__}" == expected
     exported = export_checkpoint(checkpoint, tmp_path / "export", layout=layout)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         old = (OLD_LAYOUT / f"{draft}-{layout}" / name).read_bytes()
@@ -200,6 +197,11 @@ def test_a_checkpoint_of_the_old_layout_loads_and_exports_byte_identical(draft, 
             old = _json_bytes({k: v for k, v in changed.items() if v is not REMOVED})
         assert (exported / name).read_bytes() == old, name
 
+
+# Module classes defined elsewhere since d429c0e, written out here (not read from the classes).
+MOVED_SINCE_D429C0E = {
+    "lightning_drafts.dflash.module.DFlash2Module": "lightning_drafts.dflash.dflash2_module.DFlash2Module"
+}
 
 # Deliberate changes to an export layout since d429c0e, applied to that commit's config.json (the fields keep
 # their places; the weights stay byte-identical): the MLA draft now writes the layout vLLM's DeepSeek MLA

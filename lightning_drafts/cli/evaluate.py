@@ -279,18 +279,18 @@ def _prompt_source(parsed: argparse.Namespace) -> str:
 def _prompts(parsed: argparse.Namespace, config: dict[str, Any]) -> list[Tensor] | list[Conversation]:
     if parsed.prompts in PROMPT_SETS or (parsed.prompts and is_text_prompt_file(parsed.prompts)):
         conversations = load_prompt_set(parsed.prompts, parsed.num_prompts)  # None: the whole set
-        announce(f"evaluate: {len(conversations)} conversations of {parsed.prompts}")
+        announce(f"evaluate: {_count(len(conversations), 'conversation')} of {parsed.prompts}")
         return conversations
     limit = parsed.num_prompts or DEFAULT_NUM_PROMPTS
     if parsed.prompts:
         prompts = load_prompts_jsonl(parsed.prompts, limit)
-        announce(f"evaluate: {len(prompts)} prompts from {parsed.prompts}")
+        announce(f"evaluate: {_count(len(prompts), 'prompt')} from {parsed.prompts}")
         return prompts  # cut to --max-prompt-tokens by the evaluation, which counts the prompts it cuts
     datamodule = _datamodule(config, parsed)
     source = parsed.data_files or (config.get("data") and parsed.config) or "the embedded corpus"
     announce(f"evaluate: tokenising the held-out prompts of {source}")
     prompts = prompts_from_datamodule(datamodule, limit)
-    announce(f"evaluate: {len(prompts)} prompts")
+    announce(f"evaluate: {_count(len(prompts), 'prompt')}")
     return prompts
 
 
@@ -357,3 +357,7 @@ def _datamodule(config: dict[str, Any], parsed: argparse.Namespace | None = None
     if parsed is not None and parsed.cache_dir is not None:
         init_args["cache_dir"] = parsed.cache_dir
     return PackedChatDataModule(**init_args)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"

@@ -17,7 +17,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
-from lightning_drafts.cli.moved_names import refuse_moved_class_paths
+from lightning_drafts.cli.console_notices import leave_out_own_run_notice
+from lightning_drafts.cli.moved_names import refuse_moved_class_paths, refuse_retired_options
 from lightning_drafts.cli.resume import resume_into_same_run, resumed_checkpoint
 from lightning_drafts.cli.resumed_hyperparameters import refuse_changed_run
 from lightning_drafts.cli.run_claim import claim_run_directory
@@ -57,7 +58,13 @@ class DraftCLI(LightningCLI):
             model = section.get("model")
             class_path = getattr(model, "class_path", None)
             if class_path:
-                check_family(checkpoint, _class_path_of(class_path), where=str(checkpoint_file))
+                draft_class = _class_of(class_path)
+                check_family(
+                    checkpoint,
+                    f"{draft_class.__module__}.{draft_class.__qualname__}",
+                    where=str(checkpoint_file),
+                    former=getattr(draft_class, "former_class_paths", ()),
+                )
             if subcommand == "fit" and model is not None and getattr(model, "init_args", None) is not None:
                 given = model.init_args.as_dict()
                 saved = checkpoint.get("hyper_parameters") or {}
@@ -115,6 +122,8 @@ class DraftCLI(LightningCLI):
             refuse_idle_trainer(config.get("trainer") or {})
             if resume_into_same_run(config) is None:
                 claim_run_directory(config)
+            else:
+                leave_out_own_run_notice()
         # LightningCLI applies a YAML scheduler only together with a YAML optimizer; alone it would be
         # dropped without a word and the module's own AdamW + warmup-cosine would run.
         if config.get("lr_scheduler") and not config.get("optimizer"):
@@ -130,6 +139,7 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
 
     ``args=None`` lets LightningCLI read the command line itself (as a console entry point should)."""
     refuse_moved_class_paths(sys.argv[1:] if args is None else args)
+    refuse_retired_options(sys.argv[1:] if args is None else args)
     return DraftCLI(
         DraftModule,
         PackedChatDataModule,
@@ -181,18 +191,18 @@ def _load(path: str | Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
-def _class_path_of(class_path: str) -> str:
-    """The ``module.Class`` where a config's class_path is defined (it may name a re-export such as
-    ``lightning_drafts.Eagle3Module``): what checkpoints record."""
+def _class_of(class_path: str) -> type:
+    """The class a config's class_path names (it may name a re-export such as
+    ``lightning_drafts.Eagle3Module``; checkpoints record where the class is defined)."""
     module_name, _, name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return getattr(importlib.import_module(module_name), name)
 
 
 def build_from_config(args: list[str]) -> tuple[DraftModule, Any]:
     """The model and data module a ``fit`` config (plus overrides) names, built as ``fit`` builds them
     (the tokenizer's vocabulary and pad id linked into the model), without a trainer run."""
     refuse_moved_class_paths(args)
+    refuse_retired_options(args)
     with warnings.catch_warnings():
         # The command line holds the calling subcommand's own options too; `args` is what the config reads.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

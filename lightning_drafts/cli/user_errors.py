@@ -12,6 +12,7 @@ propagate with its traceback; an error that is not a user's mistake (a bug) alwa
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -65,6 +66,9 @@ def describe(error: BaseException) -> str:
     it belongs to) and followed by the value they name when the message does not."""
     chain = list(_chain(error))
     explaining = next((e for e in chain if not _raised_by_wrapper(e)), chain[-1])
+    unwritable = _unwritable(explaining)
+    if unwritable:
+        return unwritable
     wrappers = " ".join(str(e) for e in chain[: chain.index(explaining)])
     message = re.sub(r"^Expected an? ", "expected ", _TYPE.sub(r"\1", str(explaining).strip()))
     keys = list(dict.fromkeys(_PARSER_KEY.findall(wrappers)))
@@ -90,6 +94,20 @@ def describe(error: BaseException) -> str:
             f"eagle3.yaml is one), or both --model and --data (missing: {missing.group(1)})"
         )
     return f"{where}: {message}" if where else message
+
+
+def _unwritable(error: BaseException) -> str | None:
+    """A bare OS error on a path that cannot be written (``[Errno 30] Read-only file system: 'runs'``, raised
+    by a library creating a run's directories) said with what to do; our own messages are left as they are."""
+    if not isinstance(error, OSError) or error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return None
+    if error.filename is None or not str(error).startswith("[Errno"):
+        return None
+    return (
+        f"{error.filename} cannot be written: {error.strerror}; write to a path in a directory you can write "
+        "(a fit writes its run under trainer.logger.init_args.save_dir, or trainer.default_root_dir without "
+        "a logger)"
+    )
 
 
 def _not_finite(text: str) -> bool:

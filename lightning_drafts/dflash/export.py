@@ -17,44 +17,54 @@ block_size - 1}'``; SGLang ``--speculative-algorithm DFLASH --speculative-draft-
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from transformers import Qwen3Config
 
 from lightning_drafts.blockdraft.config_fields import qwen3_serving_fields
+from lightning_drafts.dflash.draft import DFlashDraft
 from lightning_drafts.serving.export_files import write_export
 
-if TYPE_CHECKING:
-    from lightning_drafts.dflash.module import DFlashModule
 
-
-def serving_config(module: DFlashModule, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of ``module``'s draft."""
-    config = qwen3_serving_fields(module.draft.config)
-    dflash_config = module.dflash_config()
+def serving_config(
+    draft_config: Qwen3Config,
+    dflash_config: dict[str, Any],
+    architecture: str,
+    num_target_layers: int,
+    target_record: dict[str, Any],
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """The ``config.json`` of a draft built from ``draft_config``."""
+    config = qwen3_serving_fields(draft_config)
     config.update(
-        architectures=[module.architecture],
+        architectures=[architecture],
         model_type="qwen3",
         is_causal=False,
-        num_target_layers=module.target.num_layers,
+        num_target_layers=num_target_layers,
         block_size=dflash_config["block_size"],
         dflash_config=dflash_config,
         torch_dtype=str(dtype).removeprefix("torch."),
-        lightning_drafts=module.target_record(),
+        lightning_drafts=target_record,
     )
     return config
 
 
 def export_draft(
-    module: DFlashModule,
+    draft: DFlashDraft,
     output_dir: Path,
+    dflash_config: dict[str, Any],
+    architecture: str,
+    num_target_layers: int,
+    target_record: dict[str, Any],
     dtype: torch.dtype | None = None,
-    check: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Write ``module``'s draft to ``output_dir`` (all or nothing, after ``check`` of what was written)."""
-    state = module.draft.state_dict()
+    """Write ``draft`` to ``output_dir`` (all or nothing), in ``dtype`` (default: the draft's own)."""
+    state = draft.state_dict()
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {key: value.to(dtype) for key, value in state.items()}
-    return write_export(output_dir, serving_config(module, dtype), tensors, check=check)
+    config = serving_config(
+        draft.config, dflash_config, architecture, num_target_layers, target_record, dtype
+    )
+    return write_export(output_dir, config, tensors)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from lightning_drafts.dflash.dflash2_module import DFlash2Module
 from lightning_drafts.dflash.export_check import validate_dflash_export
 from lightning_drafts.dflash.layout import ARCHITECTURES, DFLASH2_ARCHITECTURE
-from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
+from lightning_drafts.dflash.module import DFlashModule
 from lightning_drafts.dflash.speculate import default_num_steps, load_speculator, load_training_module
 from lightning_drafts.serving.family import DraftFamily
 

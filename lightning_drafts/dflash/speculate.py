@@ -36,9 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_drafts.blockdraft.config_fields import module_arguments
+from lightning_drafts.dflash.dflash2_module import DFlash2Module
 from lightning_drafts.dflash.draft import DFlash2Draft, DFlashDraft
 from lightning_drafts.dflash.layout import DFLASH2_ARCHITECTURE, read_config
-from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
+from lightning_drafts.dflash.module import DFlashModule
 from lightning_drafts.dflash.reload import load_exported_draft
 from lightning_drafts.serving.family import VerifiedPrefix
 from lightning_drafts.training.target import FrozenTarget

@@ -54,28 +54,33 @@ layout follows the SpecForge / SGLang loaders' source (see tests/families/dspark
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from transformers import Qwen3Config
 
 from lightning_drafts.blockdraft.config_fields import qwen3_serving_fields
+from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.layout import HEAD_FIELDS, LAYOUTS, TARGET_COPIES
 from lightning_drafts.serving.export_files import write_export
 
-if TYPE_CHECKING:
-    from lightning_drafts.dspark.module import DSparkModule
 
-
-def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of ``module``'s draft in ``layout`` (see the module docstring)."""
-    config = qwen3_serving_fields(module.draft.config)
-    fields = module.dspark_config()
+def serving_config(
+    draft_config: Qwen3Config,
+    fields: dict[str, Any],
+    layout: str,
+    num_target_layers: int,
+    training: dict[str, Any],
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """The ``config.json`` in ``layout`` (see the module docstring) of a draft built from ``draft_config``
+    with the DSpark ``fields``; ``training`` is the ``lightning_drafts`` record (``layout`` is added)."""
+    config = qwen3_serving_fields(draft_config)
     config.update(
         architectures=[LAYOUTS[layout]],
         model_type="qwen3",
-        num_target_layers=module.target.num_layers,
+        num_target_layers=num_target_layers,
         block_size=fields["block_size"],
         torch_dtype=str(dtype).removeprefix("torch."),
         **{name: fields[name] for name in HEAD_FIELDS},
@@ -83,7 +88,7 @@ def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dic
     if layout == "nemo":
         config.update(
             target_layer_ids=fields["target_layer_ids"],
-            num_anchors=module.num_anchors,
+            num_anchors=training["num_anchors"],
             mask_token_id=fields["mask_token_id"],
         )
     else:
@@ -94,56 +99,51 @@ def serving_config(module: DSparkModule, layout: str, dtype: torch.dtype) -> dic
                 "mask_token_id": fields["mask_token_id"],
                 "target_layer_ids": fields["target_layer_ids"],
                 "projector_type": "dspark",
-                "confidence_head_alpha": module.loss_weights.conf,
+                "confidence_head_alpha": training["confidence_head_alpha"],
                 **{name: fields[name] for name in HEAD_FIELDS},
             },
         )
-    config["lightning_drafts"] = {
-        "layout": layout,
-        "num_anchors": module.num_anchors,
-        "ce_loss_alpha": module.loss_weights.ce,
-        "l1_loss_alpha": module.loss_weights.tv,
-        "confidence_head_alpha": module.loss_weights.conf,
-        "loss_decay_gamma": module.loss_decay_gamma,
-        **module.target_record(),
-    }
+    config["lightning_drafts"] = {"layout": layout, **training}
     return config
 
 
 def export_draft(
-    module: DSparkModule,
+    draft: DSparkDraft,
     output_dir: Path,
+    fields: dict[str, Any],
+    num_target_layers: int,
+    training: dict[str, Any],
     layout: str | None = None,
     dtype: torch.dtype | None = None,
-    check: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Write ``module``'s draft to ``output_dir`` in ``layout`` (all or nothing, after ``check`` of what
-    was written).
+    """Write ``draft`` to ``output_dir`` in ``layout`` (all or nothing); ``fields``, ``num_target_layers``
+    and ``training`` as :func:`serving_config` takes them.
 
     ``layout=None``: the SpecForge / SGLang layout when this draft fits it, else NeMo's (with a warning
     saying why), so every trained DSpark draft exports and evaluates without being told."""
-    unservable = _unservable_reason(module)
+    unservable = _unservable_reason(draft)
     if layout is None:
         layout = "specforge" if unservable is None else "nemo"
         if unservable is not None:
             warnings.warn(f"{unservable}; writing NeMo's Qwen3DSparkModel layout instead", stacklevel=2)
     if layout not in LAYOUTS:
         raise ValueError(f"export layout {layout!r} is unknown; choose one of {sorted(LAYOUTS)}")
-    state = module.draft.state_dict()
+    state = draft.state_dict()
     if layout == "specforge":
         if unservable is not None:
             raise ValueError(
                 f"{unservable}; export with layout='nemo' (`lightning-drafts export --layout nemo`)"
             )
         state = {key: value for key, value in state.items() if key not in TARGET_COPIES}
-    dtype = dtype or module.draft.fc.weight.dtype
+    dtype = dtype or draft.fc.weight.dtype
     tensors = {key: value.to(dtype) for key, value in state.items()}
-    return write_export(output_dir, serving_config(module, layout, dtype), tensors, check=check)
+    config = serving_config(draft.config, fields, layout, num_target_layers, training, dtype)
+    return write_export(output_dir, config, tensors)
 
 
-def _unservable_reason(module: DSparkModule) -> str | None:
+def _unservable_reason(draft: DSparkDraft) -> str | None:
     """Why SpecForge's / SGLang's ``DSparkDraftModel`` cannot serve this draft, or None."""
-    trained = [key for key in TARGET_COPIES if module.draft.get_parameter(key).requires_grad]
+    trained = [key for key in TARGET_COPIES if draft.get_parameter(key).requires_grad]
     if trained:
         return (
             f"the SpecForge layout has no {trained}: the server reuses the target's, but this draft trained its "

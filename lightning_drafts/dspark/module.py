@@ -362,11 +362,29 @@ class DSparkModule(DraftModule):
         (with the embedding / LM head copies); None (default) takes SpecForge's when the draft fits it
         (frozen embedding / LM head copies; any Markov head), else NeMo's with a warning. Both reload with
         :meth:`load_exported`."""
-        return export_draft(self, Path(output_dir), layout=layout)
+        return export_draft(
+            self.draft,
+            Path(output_dir),
+            self.dspark_config(),
+            self.target.num_layers,
+            self.training_record(),
+            layout=layout,
+        )
 
     def load_exported(self, path: str | Path) -> None:
         """Load an export (either layout) into this module after checking it was made for this setup."""
-        load_into_module(self, Path(path))
+        load_into_module(self.draft, Path(path), self.dspark_config())
+
+    def training_record(self) -> dict[str, Any]:
+        """The training hyperparameters that are not architecture, as an export records them."""
+        return {
+            "num_anchors": self.num_anchors,
+            "ce_loss_alpha": self.loss_weights.ce,
+            "l1_loss_alpha": self.loss_weights.tv,
+            "confidence_head_alpha": self.loss_weights.conf,
+            "loss_decay_gamma": self.loss_decay_gamma,
+            **self.target_record(),
+        }
 
     def dspark_config(self) -> dict[str, Any]:
         """The DSpark fields of an exported config (what a loader must match)."""

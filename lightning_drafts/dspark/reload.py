@@ -4,16 +4,13 @@ module (either layout)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from safetensors.torch import load_file
 
 from lightning_drafts.dspark.draft import DSparkDraft
 from lightning_drafts.dspark.layout import TARGET_COPIES, draft_from_config, read_config
 from lightning_drafts.serving.export_files import WEIGHTS_FILE
-
-if TYPE_CHECKING:
-    from lightning_drafts.dspark.module import DSparkModule
 
 
 def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
@@ -35,16 +32,16 @@ def load_exported_draft(path: str | Path) -> tuple[DSparkDraft, dict[str, Any]]:
     return draft, config
 
 
-def load_into_module(module: DSparkModule, path: Path) -> None:
-    """Load an export's weights into ``module``'s draft after checking it was made for this setup."""
-    _, layout, fields = read_config(path)
-    if fields != module.dspark_config():
+def load_into_module(draft: DSparkDraft, path: Path, fields: dict[str, Any]) -> None:
+    """Load an export's weights into ``draft`` after checking it was made with these DSpark ``fields``."""
+    _, layout, exported = read_config(path)
+    if exported != fields:
         raise ValueError(
-            f"{path} holds a DSpark draft with {fields}, but this module has {module.dspark_config()}; build the "
+            f"{path} holds a DSpark draft with {exported}, but this module has {fields}; build the "
             "module with matching block_size, mask_token_id, target_layer_ids and Markov / confidence heads"
         )
     state = load_file(str(path / WEIGHTS_FILE))
-    reference = module.draft.state_dict()
+    reference = draft.state_dict()
     # The SpecForge layout leaves the embedding / LM head out: the module's copies of the target's stay.
     expected = set(reference) - (set(TARGET_COPIES) if layout == "specforge" else set())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(reference))
@@ -52,4 +49,4 @@ def load_into_module(module: DSparkModule, path: Path) -> None:
         raise ValueError(
             f"{path} does not fit this draft: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)
+    draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)

@@ -49,17 +49,18 @@ Both configs carry a ``lightning_drafts`` section (``draft_class``, ``target_lay
 ``target_seed``, ``init_fingerprints`` of the LM head's random initialisation) that :func:`~lightning_drafts.eagle3.reload.load_eagle3`
 uses to rebuild the module and the validator uses to prove the LM head was trained.
 
-Every export is checked by :func:`~lightning_drafts.eagle3.export_check.validate_eagle3_export` before
-it lands in the output directory.
+``lightning-drafts export`` checks every export with
+:func:`~lightning_drafts.eagle3.export_check.validate_eagle3_export` before it lands in the output directory.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning_drafts.eagle3.export_check import validate_eagle3_export
+from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.layout import (
     BIAS_READERS,
     DENSE_ARCHITECTURE,
@@ -72,16 +73,15 @@ from lightning_drafts.eagle3.mla_draft import MLAEagle3Draft
 from lightning_drafts.eagle3.rope import vllm_deepseek_rope_scaling
 from lightning_drafts.serving.export_files import write_export
 
-if TYPE_CHECKING:
-    from lightning_drafts.eagle3.module import Eagle3Base
 
-
-def serving_config(module: Eagle3Base) -> dict[str, Any]:
-    """The ``config.json`` of ``module``'s draft."""
-    draft_config = module.draft.config.to_dict()
+def serving_config(
+    draft: Eagle3Draft, target_layer_ids: Sequence[int], record: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``config.json`` of ``draft``, with ``record`` as its ``lightning_drafts`` section."""
+    draft_config = draft.config.to_dict()
     rope_theta, rope_scaling = draft_config.pop("rope_theta"), draft_config.pop("rope_scaling")
     draft_config.pop("initializer_range")
-    dtype = str(module.draft.fc.weight.dtype).removeprefix("torch.")
+    dtype = str(draft.fc.weight.dtype).removeprefix("torch.")
     common = {
         **draft_config,
         "num_hidden_layers": 1,
@@ -89,10 +89,10 @@ def serving_config(module: Eagle3Base) -> dict[str, Any]:
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
-        **layer_id_fields(module.target_layer_ids),
-        "lightning_drafts": _training_record(module),
+        **layer_id_fields(target_layer_ids),
+        "lightning_drafts": record,
     }
-    if isinstance(module.draft, MLAEagle3Draft):
+    if isinstance(draft, MLAEagle3Draft):
         return {
             "architectures": [MLA_ARCHITECTURE],
             "model_type": MLA_MODEL_TYPE,
@@ -104,22 +104,35 @@ def serving_config(module: Eagle3Base) -> dict[str, Any]:
     return {"architectures": [DENSE_ARCHITECTURE], "model_type": "llama", **common}
 
 
-def export_draft(module: Eagle3Base, output_dir: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` for ``module``'s draft into ``output_dir``, checked
-    by the validator before anything lands there."""
-    if not bool(module.vocab_mapping_built):
+def export_draft(
+    draft: Eagle3Draft,
+    output_dir: str | Path,
+    *,
+    draft_class: str,
+    target_layer_ids: Sequence[int],
+    ttt_length: int,
+    loss_decay_gamma: float,
+    target_record: Mapping[str, Any],
+    init_fingerprints: Mapping[str, Any],
+    vocab_mapping_built: bool,
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for ``draft`` into ``output_dir`` (all or nothing).
+
+    ``draft_class`` names the module :func:`~lightning_drafts.eagle3.reload.load_eagle3` rebuilds; the
+    other arguments are that module's training settings, recorded under ``lightning_drafts``."""
+    if not vocab_mapping_built:
         raise ValueError(
             "the draft vocabulary mapping is not built, so d2t would map draft ids to the first V_d target ids; "
             "build it (build_vocab_mapping / token_frequencies / fit) before exporting"
         )
-    if isinstance(module.draft, MLAEagle3Draft) and module.draft.config.q_lora_rank is None:
+    if isinstance(draft, MLAEagle3Draft) and draft.config.q_lora_rank is None:
         warnings.warn(
             "this MLA draft has no q_lora_rank (its target's is null): vLLM 0.32's Eagle3DeepseekV2ForCausalLM "
             "cannot load it (its loader folds kv_a_proj_with_mqa into fused_qkv_a_proj, which it builds only with "
             "q_lora_rank); `lightning-drafts evaluate` serves the export, vLLM refuses it",
             stacklevel=2,
         )
-    state = module.draft.state_dict()
+    state = draft.state_dict()
     biases = bias_tensors(state)
     if biases:
         warnings.warn(
@@ -127,26 +140,14 @@ def export_draft(module: Eagle3Base, output_dir: str | Path) -> Path:
             "train with draft_biases=False",
             stacklevel=2,
         )
-    return write_export(
-        output_dir,
-        serving_config(module),
-        state,
-        check=lambda directory: validate_eagle3_export(directory, target=module.target),
-    )
-
-
-def _training_record(module: Eagle3Base) -> dict[str, Any]:
-    return {
-        "draft_class": _family(module),
-        "target_layer_ids": list(module.target_layer_ids),
+    record = {
+        "draft_class": draft_class,
+        "target_layer_ids": list(target_layer_ids),
         "layer_id_convention": "decoder-layer outputs, 0-based (HF hidden_states[id + 1])",
-        "ttt_length": module.hparams.ttt_length,
-        "loss_decay_gamma": module.hparams.loss_decay_gamma,
-        "draft_vocab_size": module.draft.draft_vocab_size,
-        **module.target_record(),
-        "init_fingerprints": dict(getattr(module, "init_fingerprints", {})),
+        "ttt_length": ttt_length,
+        "loss_decay_gamma": loss_decay_gamma,
+        "draft_vocab_size": draft.draft_vocab_size,
+        **target_record,
+        "init_fingerprints": dict(init_fingerprints),
     }
-
-
-def _family(module: Eagle3Base) -> str:
-    return "MLAEagle3Module" if isinstance(module.draft, MLAEagle3Draft) else "Eagle3Module"
+    return write_export(output_dir, serving_config(draft, target_layer_ids, record), state)

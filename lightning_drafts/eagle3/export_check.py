@@ -1,7 +1,7 @@
 """The EAGLE-3 export validator, and the draft a serving engine builds from ``config.json`` alone.
 
-``validate_eagle3_export`` runs after every ``export_draft`` and before every ``lightning-drafts
-evaluate``. It checks what vLLM / SGLang read, in the form they read it:
+``validate_eagle3_export`` runs on every ``lightning-drafts export`` before the export lands, and before
+every ``lightning-drafts evaluate``. It checks what vLLM / SGLang read, in the form they read it:
 
 * ``config.json``: the architecture, the shape fields the engine builds the draft from, the RoPE settings
   (``rope_theta``, ``rope_scaling``; for the MLA layout ``rope_interleave``, ``model_type``, and a

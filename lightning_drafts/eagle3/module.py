@@ -97,6 +97,10 @@ class Eagle3Base(DraftModule):
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
+    # The ``draft_class`` an export records, which ``load_eagle3`` rebuilds: a subclass inherits it, so its
+    # exports reload into the family class it extends.
+    exported_as: str
+
     def __init__(
         self,
         target: TargetSpec,
@@ -371,8 +375,19 @@ class Eagle3Base(DraftModule):
     # --- export ---------------------------------------------------------------------------------
 
     def export(self, output_dir: str | Path) -> Path:
-        """Write the serving layout (see :mod:`lightning_drafts.eagle3.export`)."""
-        return export_draft(self, output_dir)
+        """Write the serving layout (see :mod:`lightning_drafts.eagle3.export`; ``lightning-drafts export``
+        validates it against the target before it lands)."""
+        return export_draft(
+            self.draft,
+            output_dir,
+            draft_class=self.exported_as,
+            target_layer_ids=self.target_layer_ids,
+            ttt_length=self.hparams.ttt_length,
+            loss_decay_gamma=self.hparams.loss_decay_gamma,
+            target_record=self.target_record(),
+            init_fingerprints=self.init_fingerprints,
+            vocab_mapping_built=bool(self.vocab_mapping_built),
+        )
 
 
 class Eagle3Module(Eagle3Base):
@@ -380,6 +395,8 @@ class Eagle3Module(Eagle3Base):
 
     Exports to vLLM / SGLang's ``LlamaForCausalLMEagle3`` layout. See :class:`Eagle3Base` for arguments.
     """
+
+    exported_as = "Eagle3Module"
 
     @staticmethod
     def build_draft(
@@ -395,6 +412,8 @@ class MLAEagle3Module(Eagle3Base):
     Exports vLLM's ``Eagle3DeepseekV2ForCausalLM`` layout, which also reloads into this class. See
     :class:`Eagle3Base` for arguments.
     """
+
+    exported_as = "MLAEagle3Module"
 
     @staticmethod
     def build_draft(

@@ -18,7 +18,7 @@ from lightning_drafts.eagle3.export_check import draft_from_config
 from lightning_drafts.eagle3.module import Eagle3Base, Eagle3Module, MLAEagle3Module
 from lightning_drafts.serving.export_files import CONFIG_FILE, WEIGHTS_FILE
 
-DRAFT_CLASSES = {"Eagle3Module": Eagle3Module, "MLAEagle3Module": MLAEagle3Module}
+DRAFT_CLASSES = {cls.exported_as: cls for cls in (Eagle3Module, MLAEagle3Module)}
 
 
 def load_exported_draft(directory: str | Path) -> tuple[Eagle3Draft, dict[str, Any]]:

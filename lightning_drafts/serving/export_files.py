@@ -8,7 +8,6 @@ one ``ValueError`` that lists every defect, each naming the config field or tens
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lightning_drafts.core.digest import tensor_fingerprint
+from lightning_drafts.core.disk_full import DiskFull, is_disk_full
 from lightning_drafts.core.output_lock import exclusive_output, private_output
 
 CONFIG_FILE = "config.json"
@@ -88,10 +88,6 @@ def check_destination(output_dir: str | Path, overwrite: bool) -> list[str]:
     return present
 
 
-class DiskFull(OSError):
-    """The disk filled while an export was written (one line: the export's path and the bytes free)."""
-
-
 @contextmanager
 def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Path]:
     """A temporary directory beside ``output_dir`` to write an export into; when the block ends without
@@ -114,7 +110,7 @@ def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Pa
             except (ValueError, DiskFull) as error:
                 raise type(error)(str(error).replace(str(staging), str(output))) from error
             except (SafetensorError, OSError) as error:
-                if not _disk_full(error):
+                if not is_disk_full(error):
                     raise
                 shutil.rmtree(staging, ignore_errors=True)  # what was written of it, so the figure is true
                 raise DiskFull(
@@ -134,22 +130,15 @@ def staged_export(output_dir: str | Path, overwrite: bool = True) -> Iterator[Pa
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _disk_full(error: BaseException) -> bool:
-    # safetensors reports a full disk as its own error, with the OS error's text.
-    if isinstance(error, OSError):
-        return error.errno == errno.ENOSPC
-    return f"os error {errno.ENOSPC})" in str(error)
-
-
 def write_export(
     output_dir: str | Path,
     config: Mapping[str, Any],
     tensors: Mapping[str, Tensor],
-    check: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``output_dir``, all or nothing: staged
-    (:func:`staged_export`), read back, and checked by ``check(staged_dir)`` (a family's validator) before
-    they land. Files are readable by others (0644), as a model directory shared with an engine must be."""
+    (:func:`staged_export`) and read back before they land (``lightning-drafts export`` validates an export
+    before it lands). Files are readable by others (0644), as a model directory shared with an engine must
+    be."""
     with staged_export(output_dir) as staging:
         weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
         save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -160,8 +149,6 @@ def write_export(
             lost = sorted(set(weights) - set(written.keys()))
         if lost:
             raise ValueError(f"the export to {output_dir} lost weights {lost[:5]}; check free disk space")
-        if check is not None:
-            check(staging)
     return Path(output_dir)
 
 

@@ -146,6 +146,18 @@ class FamilyRegistry:
         directory = Path(directory)
         return self.for_architecture(architecture_of(read_export(directory).config, directory))
 
+    def module_class(self, class_path: str) -> type[DraftModule] | None:
+        """The registered module class a checkpoint's ``draft_class`` names: where the class is defined
+        now, or one of its ``former_class_paths``; ``None`` when no registered family has it."""
+        for family in self._families:
+            for cls in family.modules:
+                if (
+                    class_path == f"{cls.__module__}.{cls.__qualname__}"
+                    or class_path in cls.former_class_paths
+                ):
+                    return cls
+        return None
+
     def for_module(self, module: DraftModule) -> DraftFamily:
         for family in self._families:
             if isinstance(module, family.modules):

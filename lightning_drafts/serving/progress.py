@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
-from lightning_drafts.datamodules.datamodule import show_console
+from lightning_drafts.datamodules.setup_summary import show_console
 
 logger = logging.getLogger("lightning_drafts.progress")
 

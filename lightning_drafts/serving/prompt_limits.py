@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from lightning_drafts.datamodules.datamodule import show_console
+from lightning_drafts.datamodules.setup_summary import show_console
 
 logger = logging.getLogger("lightning_drafts.serving")
 

@@ -5,12 +5,14 @@ under its final name; across filesystems the move is a copy, so a disk that fill
 leaves a truncated ``best.ckpt`` / ``last.ckpt`` where the good one was. Here the checkpoint is written
 to a temporary file beside the final one (same directory, same filesystem), flushed to disk, and only then
 renamed over it (``os.replace``, atomic on POSIX and Windows): a failed save leaves the previous
-checkpoint as it was and no partial file under the final name.
+checkpoint as it was and no partial file under the final name. A full disk is said in one line
+(:class:`~lightning_drafts.core.disk_full.DiskFull`), not as ``torch.save``'s "unexpected pos" error.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any
@@ -18,6 +20,8 @@ from typing import IO, Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
+
+from lightning_drafts.core.disk_full import DiskFull, is_disk_full
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,9 +45,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(staged, final)
-        except BaseException:
+        except BaseException as error:
             Path(staged).unlink(missing_ok=True)
-            raise
+            if not is_disk_full(error):
+                raise
+            kept = f"the previous {final.name} is kept" if final.exists() else f"no {final.name} was written"
+            raise DiskFull(
+                f"no space left on the disk of {final}: {shutil.disk_usage(final.parent).free:,} bytes free there "
+                f"({kept}); free space there, or write the run to another disk (trainer.logger.init_args.save_dir)"
+            ) from error
 
     def write(self, checkpoint: dict[str, Any], handle: IO[bytes]) -> None:
         """Serialise ``checkpoint`` into the open staging file."""

@@ -10,6 +10,7 @@ another draft family than the run's is refused naming both.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,6 +20,10 @@ from torch.distributed.tensor import DTensor
 from lightning_drafts.core.digest import state_digest, value_digest
 
 DIGEST_KEY = "checkpoint_digest"
+# Written, and digested, with the digests: a checkpoint that has it but no digests had them removed. A
+# sharded checkpoint records SHARDED there instead: torch.distributed checks its shards.
+DIGESTED_KEY = "checkpoint_digested"
+SHARDED = "sharded"
 # What releases before the whole-checkpoint digest recorded: the draft tensors only.
 DRAFT_DIGEST_KEY = "draft_digest"
 # Lightning's names of the sections, and what each holds, for the message that names a damaged one.
@@ -34,6 +39,7 @@ SECTIONS = {
     "global_step": "the step counter",
     "PackedChatDataModule": "the train loader's position",
     "draft_class": "the draft family",
+    DIGESTED_KEY: "the mark that the checkpoint was written with digests",
 }
 
 
@@ -41,7 +47,9 @@ def record_digests(checkpoint: dict[str, Any]) -> None:
     """Write the digest of every section of ``checkpoint`` into it (call last, once it is complete).
     A sharded checkpoint (DTensors) is left to torch.distributed's own checks."""
     if _holds_dtensors(checkpoint.get("state_dict", {})):
+        checkpoint[DIGESTED_KEY] = SHARDED
         return
+    checkpoint[DIGESTED_KEY] = True
     checkpoint[DIGEST_KEY] = {
         name: value_digest(value)
         for name, value in checkpoint.items()
@@ -54,8 +62,22 @@ def check_digests(
 ) -> None:
     """Refuse ``checkpoint`` if any recorded section (but ``skip``: sections its reader changed on purpose)
     no longer matches its digest, naming each damaged one."""
-    recorded = checkpoint.get(DIGEST_KEY)
+    recorded, digested = checkpoint.get(DIGEST_KEY), checkpoint.get(DIGESTED_KEY)
+    if recorded is None and digested == SHARDED:
+        return
+    if recorded is None and digested:
+        raise ValueError(
+            f"{where} was written with digests of its sections but holds none (its {DIGEST_KEY!r} entry was "
+            "removed: an edit, or a rewrite by another tool), so nothing in it can be verified; use another "
+            "checkpoint (e.g. an earlier last.ckpt or best.ckpt)"
+        )
     if recorded is None:
+        if DRAFT_DIGEST_KEY not in checkpoint:
+            warnings.warn(
+                f"{where} records no digests (written by a lightning-drafts release older than them, or by "
+                "another tool): its sections are read unverified",
+                stacklevel=2,
+            )
         _check_draft_digest(checkpoint, where)
         return
     damaged = [
@@ -84,10 +106,13 @@ def _check_draft_digest(checkpoint: Mapping[str, Any], where: str) -> None:
         )
 
 
-def check_family(checkpoint: Mapping[str, Any], expected: str, where: str = "the checkpoint") -> None:
-    """Refuse a checkpoint whose ``draft_class`` is not ``expected`` (``module.Class``), naming both."""
+def check_family(
+    checkpoint: Mapping[str, Any], expected: str, where: str = "the checkpoint", former: Iterable[str] = ()
+) -> None:
+    """Refuse a checkpoint whose ``draft_class`` is not ``expected`` (``module.Class``) nor one of the
+    ``former`` paths that class was defined at, naming both."""
     recorded = checkpoint.get("draft_class")
-    if recorded is None or recorded == expected:
+    if recorded is None or recorded == expected or recorded in tuple(former):
         return
     raise ValueError(
         f"{where} holds a {recorded.rsplit('.', 1)[-1]} draft ({recorded}) but this run's model is "

@@ -1,17 +1,19 @@
 """The manifest of a features directory written for a draft: what its features were made from.
 
-``lightning-drafts capture`` and a run that caches what its target workers send (``target_cache_dir``)
+``lightning-drafts capture`` and a run that caches what its target workers send (``remote.cache_dir``)
 write one manifest for the same draft, target and documents, field for field, so a directory is the same
 whichever wrote it, and either resumes the other's partial one only if it records the same capture.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.feature_store import (
     FLOAT8,
@@ -24,9 +26,6 @@ from lightning_drafts.datamodules.feature_store import (
     shard_name,
 )
 from lightning_drafts.training.target import as_dtype
-
-if TYPE_CHECKING:
-    from lightning_drafts.training.module import DraftModule
 
 # About this many bytes of features per shard: large enough that a shard costs one open, small enough
 # that a stopped capture loses little (a cache uses the same, so both write one directory for one data).
@@ -46,21 +45,31 @@ def storage_dtype(dtype: str) -> torch.dtype:
     return resolved
 
 
+@dataclass(frozen=True)
+class CaptureIdentity:
+    """What a features directory is captured for: the draft's feature ``request``, the target's identity
+    (:meth:`FrozenTarget.identity`), the target as the config names it (``None`` for a model instance)
+    and the draft's ``module.Class`` (``DraftModule.capture_identity`` builds it)."""
+
+    request: FeatureRequest
+    target_identity: dict[str, Any]
+    target_spec: str | dict[str, Any] | None
+    draft_class: str
+
+
 def features_manifest(
-    module: DraftModule,
+    capture: CaptureIdentity,
     storage: torch.dtype,
     sources: dict[str, Documents],
     shard_bytes: int,
     data: dict[str, Any],
 ) -> dict[str, Any]:
-    """The manifest (without its progress fields) of ``module``'s features of ``sources`` stored in
-    ``storage``, ``shard_bytes`` a shard; ``data`` is what the documents were made with."""
-    request = module.feature_request()
-    identity = module.target.identity()
+    """The manifest (without its progress fields) of the features ``capture`` names of ``sources`` stored
+    in ``storage``, ``shard_bytes`` a shard; ``data`` is what the documents were made with."""
+    request, identity = capture.request, capture.target_identity
     hidden = identity["hidden_size"]
     bytes_per_token = len(request.layer_ids) * hidden * storage.itemsize
     tokens_per_shard = max(1, shard_bytes // max(bytes_per_token, 1))
-    target = module.hparams.get("target")
     entries = {}
     for name, documents in sources.items():
         finals = final_rows_per_document(documents, request.final_positions)
@@ -77,8 +86,8 @@ def features_manifest(
     return {
         "format": FORMAT,
         "version": VERSION,
-        "target": {**identity, "spec": target if isinstance(target, (str, dict)) else None},
-        "draft_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "target": {**identity, "spec": capture.target_spec},
+        "draft_class": capture.draft_class,
         "layer_ids": list(request.layer_ids),
         "final_positions": request.final_positions,
         "dtype": str(storage).removeprefix("torch."),

@@ -45,7 +45,8 @@ class FinalCheckpoint(L.Callback):
             _saved_step_at(callback, path, trainer.global_step) for callback in trainer.checkpoint_callbacks
         ):
             return
-        trainer.save_checkpoint(path)
+        # A whole, resumable checkpoint (optimizer, loops, callbacks); said, so Lightning does not log its default.
+        trainer.save_checkpoint(path, weights_only=False)
 
 
 def has_validation(trainer: L.Trainer) -> bool:

@@ -26,16 +26,20 @@ from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import RatioSum, ratio_metrics
 from lightning_drafts.core.schedule import warmup_cosine
 from lightning_drafts.core.target_features import FeatureRequest
-from lightning_drafts.datamodules.packing import collate_placed, place, plan_epoch
 from lightning_drafts.training.checkpoint_integrity import check_digests, check_family, record_digests
-from lightning_drafts.training.feature_cache import FeatureCache
-from lightning_drafts.training.features_manifest import SHARD_BYTES, storage_dtype
-from lightning_drafts.training.planned_units import PlannedUnits, expected_feature_bytes
-from lightning_drafts.training.remote_target import RemoteTarget
+from lightning_drafts.training.features_manifest import CaptureIdentity
+from lightning_drafts.training.remote.config import RemoteOptions, RemoteTargetConfig, with_retired
+from lightning_drafts.training.remote.feed import RemoteFeatures
 from lightning_drafts.training.row_positions import check_row_positions
+from lightning_drafts.training.sharding import (
+    check_fsdp1_units,
+    checkpoint_layers,
+    clip_fsdp1_by_norm,
+    keep_target_out_of_fsdp1_units,
+    shard_fsdp2,
+)
 from lightning_drafts.training.step_draws import micro_batch_generator
 from lightning_drafts.training.target import FrozenTarget, TargetOutput, TargetSpec, as_dtype
-from lightning_drafts.training.unit_ledger import Unit
 
 TARGET_PREFIX = "target."
 
@@ -59,25 +63,17 @@ class DraftModule(L.LightningModule):
             them (their weights are never read; a config-dict target is built whole and freed): for
             training from a features directory only, where the target's embedding, final norm and LM head
             are all a draft reads; a batch without features is refused.
-        target_workers: run the target on this many Ray workers instead of in the trainer's process (a
-            local Ray is started for the run unless ``target_address`` names a cluster): every batch then
-            carries the target features a worker computed for its exact rows, and the trainer keeps only
-            the target's embedding, final norm and LM head (see docs/guides/disaggregated.md).
-        target_address: the Ray cluster's address for ``target_workers`` (``ray start --head`` prints it).
-        target_prefetch: micro-batches sent to the workers ahead of the one being trained on.
-        target_max_mb_in_flight: cap on the feature bytes (MiB) sent for or waiting to be trained on.
-        target_worker_gpus: GPUs per worker (0 on CPU machines).
-        target_unit_timeout_s: send a unit again, to another worker, when its features are this many seconds
-            late (``None``: only when its worker died); a late first result that still arrives is dropped.
-        target_cache_dir: online, then cached: write the features the workers send into this features
-            directory (the layout and manifest of ``lightning-drafts capture``) and, once the first epoch has
-            run through, train every later epoch from it without the workers (a later run of the same config
-            finds it complete and starts none). One trainer rank only.
-        target_cache_dtype: its storage dtype (``bfloat16``, ``float16``, ``float32`` or ``float8_e4m3fn``).
+        remote: run the target on its own Ray workers, and cache what they send (see
+            :class:`~lightning_drafts.training.remote.config.RemoteTargetConfig` and
+            docs/guides/disaggregated.md); unset, the target runs in the trainer's process.
         tokenizer_vocab_size, pad_token_id: linked from the data module by the CLI. A config-dict
             target without ``vocab_size`` takes the tokenizer's; a larger tokenizer than the target's
             vocabulary is refused.
     """
+
+    # Where checkpoints of earlier releases record this class (``module.Class``), if it has moved since:
+    # they load as this class.
+    former_class_paths: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -93,16 +89,10 @@ class DraftModule(L.LightningModule):
         shard_target: bool = False,
         activation_checkpointing: bool = False,
         target_decoder: bool = True,
-        target_workers: int = 0,
-        target_address: str | None = None,
-        target_prefetch: int = 4,
-        target_max_mb_in_flight: float = 256.0,
-        target_worker_gpus: float = 0.0,
-        target_unit_timeout_s: float | None = None,
-        target_cache_dir: str | None = None,
-        target_cache_dtype: str = "bfloat16",
+        remote: RemoteOptions | None = None,
         tokenizer_vocab_size: int | None = None,
         pad_token_id: int | None = None,
+        **retired: Any,
     ) -> None:
         super().__init__()
         check_number("learning_rate", learning_rate, minimum=0, above_minimum=True)
@@ -113,43 +103,34 @@ class DraftModule(L.LightningModule):
         check_number("weight_decay", weight_decay, minimum=0)
         check_number("warmup_ratio", warmup_ratio, minimum=0, maximum=1)
         check_number("min_lr_ratio", min_lr_ratio, minimum=0, maximum=1)
-        self.save_hyperparameters(ignore=["target"] if isinstance(target, PreTrainedModel) else None)
+        # A checkpoint written when these options were flat arguments (target_workers, ...) still loads; the
+        # hyperparameters record them as the one argument they are now.
+        remote = with_retired(remote, retired)
+        config = RemoteTargetConfig.of(remote)
+        ignored = ["target"] if isinstance(target, PreTrainedModel) else []
+        self.save_hyperparameters(ignore=[*ignored, *retired])
         target = _with_tokenizer_vocab(target, tokenizer_vocab_size)
-        if target_workers < 0:
-            raise ValueError(f"target_workers = {target_workers}; it must be >= 0 (0 runs the target here)")
-        if target_workers and not isinstance(target, (str, dict)):
+        if config.workers and not isinstance(target, (str, dict)):
             raise ValueError(
-                "target_workers needs a target the workers can build themselves: a hub id / path or a config "
+                "remote.workers needs a target the workers can build themselves: a hub id / path or a config "
                 f"dict, not a {type(target).__name__} instance"
             )
-        if target_address is not None and not target_workers:
-            raise ValueError(
-                f"target_address = {target_address!r} names the Ray cluster of the target workers, but "
-                f"target_workers = {target_workers}, so the target runs here and the address would be ignored; "
-                "set target_workers (e.g. 1), or drop target_address"
-            )
-        if target_cache_dir is not None and not target_workers:
-            raise ValueError(
-                f"target_cache_dir = {target_cache_dir!r} caches what target workers send, but target_workers = "
-                f"{target_workers}; set target_workers, or capture with `lightning-drafts capture`"
-            )
-        if target_unit_timeout_s is not None:
-            check_number("target_unit_timeout_s", target_unit_timeout_s, minimum=0, above_minimum=True)
-        storage_dtype(target_cache_dtype)
-        self._cache: FeatureCache | None = None
-        # The run trains from its completed cache: no workers are started again.
-        self._from_cache = False
         # What a target worker builds: the trainer's own target (an instance is not kept twice: as an
         # attribute of a module it would become a submodule, and its weights checkpoint keys).
-        self.target_spec = target if isinstance(target, (str, dict)) else None
-        self.remote_target: RemoteTarget | None = None
+        target_args = {
+            "target": target if isinstance(target, (str, dict)) else None,
+            "attn_backend": target_attn_backend,
+            "dtype": target_dtype,
+            "seed": target_seed,
+        }
+        self.remote_features = RemoteFeatures(config, target_args, self)
         self.target = FrozenTarget(
             target,
             attn_backend=target_attn_backend,
             dtype=target_dtype,
             seed=target_seed,
             # The workers run the decoder; the trainer reads only the embedding, final norm and LM head.
-            decoder=target_decoder and not target_workers,
+            decoder=target_decoder and not config.workers,
         )
         if tokenizer_vocab_size is not None and tokenizer_vocab_size > self.target.vocab_size:
             raise ValueError(
@@ -198,6 +179,16 @@ class DraftModule(L.LightningModule):
         live forward (:meth:`FrozenTarget.features` of what :meth:`feature_request` names)."""
         return self.target.features(self.prepare_batch(batch), self.feature_request())
 
+    def capture_identity(self) -> CaptureIdentity:
+        """What a features directory captured for this draft records (its manifest's identity fields)."""
+        target = self.hparams.get("target")
+        return CaptureIdentity(
+            request=self.feature_request(),
+            target_identity=self.target.identity(),
+            target_spec=target if isinstance(target, (str, dict)) else None,
+            draft_class=self.draft_class_path(),
+        )
+
     def check_features(self, manifest: Mapping[str, Any]) -> None:
         """Refuse a features directory (its ``manifest``) that was not captured for this draft, naming the
         first field that differs: the target, its dtype or sizes, the layers, the final-state positions."""
@@ -218,209 +209,6 @@ class DraftModule(L.LightningModule):
                 f"{where} does not hold what this draft reads: {problem}; capture again with this config"
             )
 
-    # --- the target on its own workers ----------------------------------------------------------
-
-    def remote_identity(self) -> dict[str, Any]:
-        """What a target worker must report to serve this draft (see ``RemoteTarget.start``)."""
-        request = self.feature_request()
-        return {
-            **self.target.identity(),
-            "layer_ids": list(request.layer_ids),
-            "final_positions": request.final_positions,
-            "attn_backend": self.hparams.get("target_attn_backend", "auto"),
-            "torch": torch.__version__,
-        }
-
-    def _start_remote_target(self) -> None:
-        if not self.hparams.get("target_workers") or self.remote_target is not None or self._from_cache:
-            return
-        cache_dir = self.hparams.get("target_cache_dir")
-        if cache_dir is not None:
-            datamodule = getattr(self.trainer, "datamodule", None)
-            if datamodule is None or not hasattr(datamodule, "use_features"):
-                raise ValueError(
-                    "target_cache_dir needs the run's PackedChatDataModule (trainer.fit(model, datamodule=...))"
-                )
-            if self.trainer.world_size > 1:
-                raise ValueError(
-                    f"target_cache_dir caches one trainer rank's units, but this run has {self.trainer.world_size} "
-                    "ranks; cache with one rank, or capture with `lightning-drafts capture` (torchrun-parallel)"
-                )
-            self._cache = FeatureCache(
-                cache_dir,
-                self,
-                datamodule.captured_sources(),
-                datamodule.capture_record(),
-                self.hparams.get("target_cache_dtype", "bfloat16"),
-                SHARD_BYTES,
-            )
-            if self._cache.complete:
-                self._train_from_cache()
-                return
-        self.use_remote_target(self.build_remote_target())
-
-    def build_remote_target(self, **options: Any) -> RemoteTarget:
-        """A :class:`RemoteTarget` of this draft's target and the ``target_*`` options (``options``
-        override its keyword arguments, e.g. ``unit_timeout_s`` or ``worker_class``)."""
-        request = self.feature_request()
-        hparams = self.hparams
-        worker_args = {
-            "target": self.target_spec,
-            "attn_backend": hparams.get("target_attn_backend", "auto"),
-            "dtype": hparams.get("target_dtype"),
-            "seed": hparams.get("target_seed", 0),
-            "layer_ids": request.layer_ids,
-            "final_positions": request.final_positions,
-            "threads": torch.get_num_threads(),
-            **options.pop("worker_args", {}),
-        }
-        settings = {
-            "workers": max(int(hparams.get("target_workers", 0)), 1),
-            "address": hparams.get("target_address"),
-            "prefetch": hparams.get("target_prefetch", 4),
-            "max_bytes_in_flight": int(hparams.get("target_max_mb_in_flight", 256.0) * 2**20),
-            "worker_gpus": hparams.get("target_worker_gpus", 0.0),
-            "unit_timeout_s": hparams.get("target_unit_timeout_s"),
-            "describe": self._describe_unit,
-            **options,
-        }
-        return RemoteTarget(worker_args, **settings)
-
-    def use_remote_target(self, remote: RemoteTarget) -> None:
-        """Start ``remote`` (checking its workers against this draft's target) and take every batch's
-        target features from it. ``target_workers`` does this at fit or validation start."""
-        remote.start(self.remote_identity())
-        self.remote_target = remote
-        self._feeds: dict[str, PlannedUnits] = {}
-        self._filling: dict[Unit, str] = {}
-        self._validation_runs = 0
-        rank_zero_info(remote.where())
-
-    def _describe_unit(self, unit: Unit) -> str:
-        feed = self._feeds.get(unit.split)
-        return feed.describe(unit) if feed is not None else self._filling.get(unit, str(unit))
-
-    def with_remote_features(self, batch: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        """``batch`` with the target features its workers computed for it (unchanged without a remote
-        target, or when it carries features already)."""
-        if self.remote_target is None or "target_hidden_states" in batch:
-            return batch
-        device = batch["input_ids"].device
-        features = self._remote_features({key: value.cpu() for key, value in batch.items()})
-        return {**batch, **{key: value.to(device) for key, value in features.items()}}
-
-    def _remote_features(self, batch: Mapping[str, Tensor], dataloader_idx: int = 0) -> dict[str, Tensor]:
-        trainer, remote = self.trainer, self.remote_target
-        split = "train" if trainer.training else "val"
-        feed = self._feeds.get(split)
-        if feed is None:
-            loader = trainer.train_dataloader if split == "train" else trainer.val_dataloaders
-            if isinstance(loader, (list, tuple)):
-                loader = loader[dataloader_idx]
-            if split == "train":
-                epoch, accumulate, limit = loader.dataset.epoch, trainer.accumulate_grad_batches, None
-            else:
-                epoch, accumulate = self._validation_runs, 1
-                counts = (
-                    trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-                )
-                limit = counts[dataloader_idx] if dataloader_idx < len(counts) else None
-            feed = self._feeds[split] = PlannedUnits(
-                split, loader.dataset, epoch, trainer.global_rank, accumulate, limit
-            )
-        request = self.feature_request()
-        hidden, dtype = int(self.target.text_config.hidden_size), self.target.compute_dtype
-        unit = feed.unit(feed.advance())
-        needed = expected_feature_bytes(batch, request, hidden, dtype)
-        # The unit needed now goes out first, then the ones after it as the cap allows.
-        remote.offer(unit, batch, needed, force=True)
-        for index in feed.upcoming(remote.prefetch):
-            ahead = feed.unit(index)
-            if remote.ledger.known(ahead):
-                continue
-            rows = feed.rows(index)
-            if not remote.offer(ahead, rows, expected_feature_bytes(rows, request, hidden, dtype)):
-                break
-        features = remote.take(unit, batch, needed)
-        if self._cache is not None:
-            source = trainer.datamodule.source_of(split)
-            documents, placement = feed.dataset.documents, feed.dataset.placement(feed.index(unit))
-            self._cache.receive(source, documents, placement, features)
-        return features
-
-    # --- online, then cached ----------------------------------------------------------------------
-
-    def on_train_epoch_end(self) -> None:
-        feed = self._feeds.get("train") if self.remote_target is not None else None
-        # An epoch cut short (max_steps) leaves the cache to the run that trains the rest of it.
-        if self._cache is None or feed is None or feed.cursor < feed.end:
-            return
-        self._fill_cache()
-        self._cache.finish()
-        self._train_from_cache()
-
-    def _fill_cache(self) -> None:
-        """Ask the workers for the documents no training or validation unit held, packed as a capture
-        packs them, and keep their features."""
-        datamodule, remote = self.trainer.datamodule, self.remote_target
-        request = self.feature_request()
-        hidden, dtype = int(self.target.text_config.hidden_size), self.target.compute_dtype
-        for number, (source, documents) in enumerate(self._cache.missing().items()):
-            plan = plan_epoch(
-                documents.lengths,
-                mode="microbatch",
-                max_tokens=datamodule.max_tokens,
-                batch_size=datamodule.batch_size,
-                seed=0,
-                epoch=0,
-                shuffle=False,
-            )
-            units = [Unit("cache", number, i, self.trainer.global_rank, 0) for i in range(len(plan))]
-            placements = [place(documents, plan, i) for i in range(len(plan))]
-            rows = [collate_placed(documents, p, datamodule.pad_token_id) for p in placements]
-            for unit, placement in zip(units, placements, strict=True):
-                offsets = [int(documents.starts[d]) for d in placement.docs]
-                self._filling[unit] = f"its documents are {source} documents at corpus offsets {offsets}"
-            for i, unit in enumerate(units):
-                needed = expected_feature_bytes(rows[i], request, hidden, dtype)
-                remote.offer(unit, rows[i], needed, force=True)
-                for ahead in range(i + 1, min(i + 1 + remote.prefetch, len(units))):
-                    more = expected_feature_bytes(rows[ahead], request, hidden, dtype)
-                    if not remote.offer(units[ahead], rows[ahead], more):
-                        break
-                features = remote.take(unit, rows[i], needed)
-                self._cache.receive(source, documents, placements[i], features)
-
-    def _train_from_cache(self) -> None:
-        """Every batch from now on carries its features from the completed cache; the workers go."""
-        manifest = self.trainer.datamodule.use_features(str(self._cache.directory))
-        self.check_features(manifest)
-        self._features_checked = manifest.get("directory")
-        if self.remote_target is not None:
-            self.remote_target.close()
-            self.remote_target = None
-        self._cache, self._from_cache = None, True
-        rank_zero_info(f"target: training from the features cached in {manifest['directory']} (no workers)")
-
-    def on_train_epoch_start(self) -> None:
-        if self.remote_target is not None:
-            self._feeds.pop("train", None)
-
-    def on_validation_epoch_start(self) -> None:
-        if self.remote_target is not None:
-            self._feeds.pop("val", None)
-            self._validation_runs += 1
-
-    def on_validation_epoch_end(self) -> None:
-        # Units a validation run sent ahead but did not reach (a shorter limit than planned) are let go.
-        if self.remote_target is not None:
-            self.remote_target.forget("val")
-
-    def teardown(self, stage: str) -> None:
-        if self.remote_target is not None:
-            self.remote_target.close()
-            self.remote_target = None
-
     # --- Lightning hooks -----------------------------------------------------------------------
 
     def on_fit_end(self) -> None:
@@ -437,17 +225,18 @@ class DraftModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._check_target_dtype()
-        self._check_fsdp1_units()
-        self._start_remote_target()
+        check_fsdp1_units(self.trainer.strategy, self.target)
+        self.remote_features.start(self.trainer)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
-            self._check_features_of(datamodule)
+            self.check_features_of(datamodule)
             check_row_positions(getattr(datamodule, "max_tokens", None), self.target.text_config)
             self.check_data(datamodule)
 
-    def _check_features_of(self, datamodule: Any) -> None:
+    def check_features_of(self, datamodule: Any) -> None:
+        """:meth:`check_features` of the features directory ``datamodule`` trains from, if any (once per
+        directory: the target's digest reads its embedding and LM head)."""
         manifest = getattr(datamodule, "features_manifest", None)
-        # Once per directory: the target's digest reads its embedding and LM head.
         if manifest is None:
             return
         key = manifest.get("directory", id(manifest))
@@ -455,36 +244,16 @@ class DraftModule(L.LightningModule):
             self.check_features(manifest)
             self._features_checked = key
 
-    def _check_fsdp1_units(self) -> None:
-        """Under ``FSDPStrategy`` (FSDP1) the target's decoder layers must be FSDP units of their own: the
-        module's state dict leaves the target out (:meth:`FrozenTarget.state_dict`), which FSDP1 allows for
-        whole units only (it refuses, at the first save, a unit whose parameters are missing; the rest of the
-        target is FSDP-ignored, :meth:`_keep_target_out_of_fsdp1_units`)."""
-        from lightning.pytorch.strategies import FSDPStrategy
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if not isinstance(self.trainer.strategy, FSDPStrategy) or getattr(
-            self.target, "decoder_released", False
-        ):
-            return
-        layers = self.target.decoder_layers
-        if not all(isinstance(layer, FullyShardedDataParallel) for layer in layers):
-            raise ValueError(
-                f"FSDPStrategy did not wrap the target's decoder layers ({type(layers[0]).__name__}) as FSDP "
-                "units; name their class in the strategy's auto_wrap_policy (e.g. "
-                "[transformers.models.llama.modeling_llama.LlamaDecoderLayer])"
-            )
-
     def check_data(self, datamodule: Any) -> None:
         """A family's checks of its hyperparameters against the data it is about to train on (the block
         drafts' mask token); the data module is set up by then. Nothing to check by default."""
 
     def on_validation_start(self) -> None:
         self._check_target_dtype()
-        self._start_remote_target()
+        self.remote_features.start(self.trainer)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
-            self._check_features_of(datamodule)
+            self.check_features_of(datamodule)
 
     def _check_target_dtype(self) -> None:
         """A ``*-true`` precision casts the whole module, the frozen target included, after it was built:
@@ -500,20 +269,36 @@ class DraftModule(L.LightningModule):
                 "target_dtype or choose a precision that keeps it (e.g. bf16-mixed / 32-true)"
             )
 
+    # --- the target on its own workers: each batch's features join it before it moves to the device ----
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.remote_features.add_features(batch, self.trainer, dataloader_idx)
+
+    def on_train_epoch_start(self) -> None:
+        self.remote_features.on_train_epoch_start()
+
+    def on_train_epoch_end(self) -> None:
+        self.remote_features.on_train_epoch_end(self.trainer)
+
+    def on_validation_epoch_start(self) -> None:
+        self.remote_features.on_validation_epoch_start()
+
+    def on_validation_epoch_end(self) -> None:
+        self.remote_features.on_validation_epoch_end()
+
+    def teardown(self, stage: str) -> None:
+        self.remote_features.close()
+
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
-        batch = self.with_remote_features(batch)
-        if self.remote_target is not None:
+        remote = self.remote_features.remote
+        if remote is not None:
             # On the progress bar too: how long this step waited for its target features.
-            self.log(
-                "target/wait_s", self.remote_target.last_wait_s, on_step=True, on_epoch=False, prog_bar=True
-            )
-            self.log(
-                "target/units_in_flight", float(self.remote_target.ledger.units), on_step=True, on_epoch=False
-            )
+            self.log("target/wait_s", remote.last_wait_s, on_step=True, on_epoch=False, prog_bar=True)
+            self.log("target/units_in_flight", float(remote.ledger.units), on_step=True, on_epoch=False)
         return self._shared_step(batch, "train", batch_idx)
 
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Any]:
-        return self._shared_step(self.with_remote_features(batch), "val", batch_idx)
+        return self._shared_step(batch, "val", batch_idx)
 
     def register_ratio_metrics(self, names: Iterable[str]) -> None:
         """Declare the metrics a family's ``DraftOutput.sums`` carries (call at the end of ``__init__``):
@@ -599,15 +384,10 @@ class DraftModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip by norm under ``FSDPStrategy`` (FSDP1) through the root FSDP module's own
-        ``clip_grad_norm_``, which reduces the norm over every rank's shards: Lightning's ``FSDPPrecision``
-        refuses norm clipping (it has no handle on the root), and ``torch.nn.utils.clip_grad_norm_`` over one
-        rank's shards would clip by a partial norm. Every other strategy clips as Lightning does."""
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        by_norm = gradient_clip_algorithm is None or gradient_clip_algorithm == "norm"
-        if gradient_clip_val and by_norm and isinstance(self.trainer.strategy, FSDPStrategy):
-            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+        """Clip by norm under ``FSDPStrategy`` (FSDP1) through the root FSDP module
+        (:func:`~lightning_drafts.training.sharding.clip_fsdp1_by_norm`); every other strategy clips as
+        Lightning does."""
+        if clip_fsdp1_by_norm(self.trainer.strategy, gradient_clip_val, gradient_clip_algorithm):
             return
         self.clip_gradients(
             optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
@@ -622,14 +402,12 @@ class DraftModule(L.LightningModule):
         """
         draft_roots = [child for name, child in self.named_children() if name != "target"]
         if self.hparams.activation_checkpointing and not getattr(self, "_checkpointing_applied", False):
-            from torch.distributed._composable import checkpoint
-
-            for layer in (layer for root in draft_roots for layer in _repeated_layers(root)):
-                checkpoint(layer)
+            checkpoint_layers(draft_roots)
             self._checkpointing_applied = True
         # Called again by every run (and by load_from_checkpoint, without a trainer): shard on the first
         # call that has a device mesh, whatever ran before it.
-        self._keep_target_out_of_fsdp1_units()
+        if self._trainer is not None:
+            keep_target_out_of_fsdp1_units(self.trainer.strategy, self.target)
         if self.device_mesh is None:
             if self.hparams.shard_target and self._trainer is not None:
                 raise ValueError(
@@ -639,54 +417,10 @@ class DraftModule(L.LightningModule):
                 )
             return
         if not getattr(self, "_fsdp_applied", False):
-            self._shard(draft_roots, self.device_mesh["data_parallel"])
+            shard_fsdp2(
+                draft_roots, self.target, self.device_mesh["data_parallel"], self.hparams.shard_target
+            )
             self._fsdp_applied = True
-
-    def _keep_target_out_of_fsdp1_units(self) -> None:
-        """Under ``FSDPStrategy`` (FSDP1), the target's embedding, final norm and LM head are FSDP-ignored
-        modules: whole on every rank's device as under DDP or FSDP2, in no flat parameter. In the root unit's
-        flat parameter beside the draft, every full-state-dict save would unshard them and copy them to rank
-        0's CPU (~2 GB of Llama-3.1-8B's embedding and LM head in bf16) before the checkpoint dropped them.
-        FSDP does not move ignored modules, so they are moved to the rank's device here."""
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if self._trainer is None or not isinstance(self.trainer.strategy, FSDPStrategy):
-            return
-        strategy = self.trainer.strategy
-        # FSDP takes one of the two arguments, and ignored states of one kind; a user's own are kept. Ignored
-        # as parameters unless the user gave modules (an ignored module takes its whole subtree with it).
-        key = "ignored_modules" if strategy.kwargs.get("ignored_modules") is not None else "ignored_states"
-        ignored = list(strategy.kwargs.get(key) or ())
-        as_modules = any(isinstance(item, torch.nn.Module) for item in ignored)
-        for module in self.target.outside_decoder():
-            module.to(strategy.root_device)
-            for item in [module] if as_modules else module.parameters(recurse=False):
-                if not any(item is other for other in ignored):  # a tied LM head is the embedding
-                    ignored.append(item)
-        strategy.kwargs[key] = ignored
-
-    def _shard(self, draft_roots: list[torch.nn.Module], data_parallel: Any) -> None:
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        for root in draft_roots:
-            for layer in _repeated_layers(root):
-                fully_shard(layer, mesh=data_parallel)
-            if any(p.requires_grad for p in root.parameters()):
-                fully_shard(root, mesh=data_parallel)
-                # FSDP2 unshards a root's weights when its `forward` runs and keeps them until backward,
-                # so methods called after it (heads, TTT steps) see whole weights. A draft whose step
-                # starts with another method (EAGLE-3) names it. Registering every TTT method instead
-                # gave gradients up to 8% off DDP's in the 2-process test.
-                entry = getattr(root, "fsdp_entry_method", None)
-                if entry is not None:
-                    register_fsdp_forward_method(root, entry)
-        if self.hparams.shard_target:
-            # Decoder layers only, each its own FSDP root told to reshard after forward (a root keeps
-            # its weights otherwise, expecting a backward the frozen target never has). The embedding,
-            # final norm and LM head stay whole: drafts and the varlen path call them outside any
-            # forward, and frozen weights need no gradient reduction.
-            for layer in self.target.decoder_layers:
-                fully_shard(layer, mesh=data_parallel, reshard_after_forward=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # `lightning-drafts export` rebuilds the right family from the checkpoint alone.
@@ -698,7 +432,7 @@ class DraftModule(L.LightningModule):
         record_digests(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_family(checkpoint, self.draft_class_path())
+        check_family(checkpoint, self.draft_class_path(), former=self.former_class_paths)
         if "state_dict" not in checkpoint:
             strategy = getattr(self._trainer, "strategy", None)
             # Sharded strategies (FSDP, FSDP2) load the module state themselves and remove it before this
@@ -762,11 +496,6 @@ class DraftModule(L.LightningModule):
     def draft_state_dict(self) -> dict[str, Tensor]:
         """The draft's weights and buffers only (what checkpoints and exports hold)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(TARGET_PREFIX)}
-
-
-def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The elements of every ``ModuleList`` under ``module``: a draft's decoder layers, its FSDP units."""
-    return [layer for child in module.modules() if isinstance(child, torch.nn.ModuleList) for layer in child]
 
 
 def _with_tokenizer_vocab(target: TargetSpec, tokenizer_vocab_size: int | None) -> TargetSpec:

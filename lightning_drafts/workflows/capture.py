@@ -123,7 +123,7 @@ def capture_documents(
     with _one_capture(directory):
         storage = storage_dtype(dtype)
         request = module.feature_request()
-        manifest = features_manifest(module, storage, sources, shard_bytes, data)
+        manifest = features_manifest(module.capture_identity(), storage, sources, shard_bytes, data)
         estimate = _estimate_bytes(manifest, storage)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 

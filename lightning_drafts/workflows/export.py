@@ -37,8 +37,12 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target: str | None = None
         raise ValueError(
             f"{checkpoint_path} has no 'draft_class'; it was not written by a lightning-drafts DraftModule"
         )
-    module_name, _, class_name = class_path.rpartition(".")
-    draft_class = getattr(importlib.import_module(module_name), class_name)
+    # A registered class answers to where it was defined in earlier releases too; another DraftModule
+    # (a family not in the registry) is imported from where the checkpoint says.
+    draft_class = REGISTRY.module_class(class_path)
+    if draft_class is None:
+        module_name, _, class_name = class_path.rpartition(".")
+        draft_class = getattr(importlib.import_module(module_name), class_name)
     # Training-layout options say nothing about the weights, and loading runs on one process: drop them.
     overrides = {"shard_target": False, "activation_checkpointing": False}
     if target is not None:
@@ -81,10 +85,10 @@ def export_module(
     training: TrainingFacts | None = None,
     served_from: str | Path | None = None,
 ) -> Path:
-    """Write ``module``'s serving layout (``module.export``, which validates what it writes) and its model
-    card (``README.md``: ``training`` says how it was trained, ``served_from`` where the export will be
-    served from, default ``output_dir``), refusing a layout its family does not have. The module writes the
-    serving files only: the card's serving commands come from its family's record."""
+    """Write ``module``'s serving layout (``module.export``; :func:`export_checkpoint` validates it) and
+    its model card (``README.md``: ``training`` says how it was trained, ``served_from`` where the export
+    will be served from, default ``output_dir``), refusing a layout its family does not have. The module
+    writes the serving files only: the card's serving commands come from its family's record."""
     family = REGISTRY.for_module(module)
     if layout is not None and layout not in family.layouts:
         offered = (

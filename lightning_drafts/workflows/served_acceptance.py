@@ -133,7 +133,7 @@ class ServedAcceptanceCallback(L.Callback):
         """The trainer holds no decoder (the target runs on its own workers, or the draft trains from
         features): the target is built here as the workers build it, for these few prompts, and must be
         the trainer's (its identity: config, dtype, sizes, embedding and LM head digest)."""
-        spec = getattr(pl_module, "target_spec", None)
+        spec = pl_module.target_record()["target"]
         if spec is None:
             raise ValueError(
                 "ServedAcceptanceCallback needs the target to serve with, but the trainer holds none with its "

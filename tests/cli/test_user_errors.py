@@ -96,10 +96,10 @@ def test_a_bad_option_names_the_option_in_one_line(override, message, tmp_path, 
             "every batch)",
         ),
         (
-            ["--model.init_args.target_address=ray://head:10001", "--trainer.max_steps=1"],
-            "target_address = 'ray://head:10001' names the Ray cluster of the target workers, but "
-            "target_workers = 0, so the target runs here and the address would be ignored; set target_workers "
-            "(e.g. 1), or drop target_address",
+            ["--model.init_args.remote.address=ray://head:10001", "--trainer.max_steps=1"],
+            "remote.address = 'ray://head:10001' names the Ray cluster of the target workers, but remote.workers "
+            "= 0, so the target runs here and the address would be ignored; set remote.workers (e.g. 1), or "
+            "drop remote.address",
         ),
     ],
 )
@@ -242,3 +242,42 @@ def test_fit_without_a_config_says_to_pass_one(command, capsys, monkeypatch):
         "the data (configs/quickstart/eagle3.yaml is one), or both --model and --data (missing: "
         f"{command}.data, {command}.model)"
     )
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("target_workers", "workers"), ("target_address", "address"), ("target_cache_dir", "cache_dir")],
+)
+def test_a_target_worker_option_under_its_flat_name_is_refused_naming_the_remote_one(
+    old, new, tmp_path, capsys, monkeypatch
+):
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, f"--model.init_args.{old}=2"))
+    assert line == (
+        f"lightning-drafts fit: error: --model.init_args.{old} is now --model.init_args.remote.{new} (the target "
+        "workers' options are one `remote` block); write it there"
+    ), line
+    config = tmp_path / "old.yaml"
+    config.write_text(f"model:\n  init_args:\n    {old}: 2\n")
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, f"--config={config}"))
+    assert line == (
+        f"lightning-drafts fit: error: {config}: model.init_args.{old} is now model.init_args.remote.{new} (the "
+        "target workers' options are one `remote` block); write it there"
+    ), line
+
+
+@pytest.mark.parametrize(("code", "reason"), [(30, "Read-only file system"), (13, "Permission denied")])
+def test_a_run_directory_that_cannot_be_written_is_named_with_the_settings_that_move_it(
+    code, reason, tmp_path
+):
+    from lightning_drafts.cli.user_errors import describe
+
+    # What os.makedirs raises for a logger's save_dir on a read-only disk or in a directory of another user.
+    error = OSError(code, reason, str(tmp_path / "runs"))
+    assert describe(error) == (
+        f"{tmp_path / 'runs'} cannot be written: {reason}; write to a path in a directory you can write (a fit "
+        "writes its run under trainer.logger.init_args.save_dir, or trainer.default_root_dir without a logger)"
+    )
+    # A missing file keeps its own message, and so does a message of ours that already names the fix.
+    assert describe(FileNotFoundError(2, "No such file or directory", "x.jsonl")).startswith("[Errno 2]")
+    ours = OSError(code, f"{tmp_path} cannot be written: {reason}; write elsewhere")
+    assert describe(ours) == str(ours)

@@ -63,3 +63,13 @@ def test_the_split_is_set_by_the_seed(chats_with_copies, tmp_path):
     first = split(path, tmp_path, seed=0)
     assert split(path, tmp_path / "again", seed=0) == first
     assert split(path, tmp_path, seed=1)[1] != first[1]
+
+
+def test_a_corpus_of_one_content_holds_out_nothing_and_says_why(tmp_path, caplog):
+    path = tmp_path / "same.jsonl"
+    path.write_text("\n".join(json.dumps(chat(7)) for _ in range(30)))
+    with caplog.at_level("WARNING", logger="lightning_drafts.datamodules"):
+        train, val = split(str(path), tmp_path, fraction=0.1)
+    assert sum(train.values()) == 30 and not val
+    (said,) = [r.getMessage() for r in caplog.records if "held out no document" in r.getMessage()]
+    assert said.startswith("val_fraction=0.1 held out no document: all 30 documents have one content"), said

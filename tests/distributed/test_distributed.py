@@ -18,7 +18,7 @@ from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.probe_draft import NextTokenProbe
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIP = 0.05  # tests/scripts/distributed_grads.py's gradient_clip_val
+CLIP = 0.05  # benchmarks/two_process.py's CLIP, the trainers' gradient_clip_val
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""The features cache (``target_cache_dir``) on its own: documents received unit by unit, in training
+"""The features cache (``remote.cache_dir``) on its own: documents received unit by unit, in training
 order and packing, some never (asked for afterwards, packed otherwise), across a restart, make the
 directory ``lightning-drafts capture`` writes (bfloat16: every tensor equal; float8: the values equal, the
 scales within one float32 step, see below); a directory of another capture is refused naming the field.
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from lightning_drafts.core.output_lock import OutputInUse
 from lightning_drafts.datamodules.feature_store import dequantize_rows
 from lightning_drafts.datamodules.loader import PackedEpochDataset
-from lightning_drafts.training.feature_cache import FeatureCache
+from lightning_drafts.training.remote.feature_cache import FeatureCache
 from tests.features.feature_cases import DATA, WIDTH, capture, corpus
 from tests.features.test_capture import eagle3
 from tests.support.lock_holder import held_by_another_process
@@ -48,7 +48,9 @@ def test_features_received_unit_by_unit_make_the_directory_a_capture_writes(tmp_
     assert len(captured.manifest["sources"]["data_files"]["shards"]) >= 3
 
     def cache() -> FeatureCache:
-        return FeatureCache(tmp_path / "cached", module, {"data_files": docs}, DATA, dtype, SMALL_SHARDS)
+        return FeatureCache(
+            tmp_path / "cached", module.capture_identity(), {"data_files": docs}, DATA, dtype, SMALL_SHARDS
+        )
 
     # Training's units (buffer packing, shuffled), the last one never received.
     training = units(docs, "buffer", 2)
@@ -102,7 +104,14 @@ def test_a_directory_of_another_capture_is_refused_naming_the_field(tmp_path):
     with pytest.raises(
         ValueError, match=r"records another capture: its 'dtype' is 'bfloat16', this one's 'float16'"
     ):
-        FeatureCache(tmp_path / "features", module, {"data_files": docs}, DATA, "float16", SMALL_SHARDS)
+        FeatureCache(
+            tmp_path / "features",
+            module.capture_identity(),
+            {"data_files": docs},
+            DATA,
+            "float16",
+            SMALL_SHARDS,
+        )
 
 
 def test_a_cache_another_run_is_filling_is_refused_and_left_alone(tmp_path):
@@ -111,8 +120,17 @@ def test_a_cache_another_run_is_filling_is_refused_and_left_alone(tmp_path):
         with pytest.raises(
             OutputInUse, match=rf"cached is being written by another run \(process {holder.pid} "
         ):
-            FeatureCache(tmp_path / "cached", module, {"data_files": docs}, DATA, "bfloat16", SMALL_SHARDS)
+            FeatureCache(
+                tmp_path / "cached",
+                module.capture_identity(),
+                {"data_files": docs},
+                DATA,
+                "bfloat16",
+                SMALL_SHARDS,
+            )
     assert not (tmp_path / "cached").exists()
     # Once the other run is gone, the cache is this run's.
-    FeatureCache(tmp_path / "cached", module, {"data_files": docs}, DATA, "bfloat16", SMALL_SHARDS)
+    FeatureCache(
+        tmp_path / "cached", module.capture_identity(), {"data_files": docs}, DATA, "bfloat16", SMALL_SHARDS
+    )
     assert (tmp_path / "cached" / "received").is_dir()

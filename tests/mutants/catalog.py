@@ -380,8 +380,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "eagle3-export-layer-ids-shifted",
         "lightning_drafts/eagle3/export.py",
-        "**layer_id_fields(module.target_layer_ids),",
-        "**layer_id_fields([i + 1 for i in module.target_layer_ids]),",
+        "**layer_id_fields(target_layer_ids),",
+        "**layer_id_fields([i + 1 for i in target_layer_ids]),",
         ("tests/families/eagle3/test_eagle3.py::test_export_round_trips_in_the_llama_eagle3_serving_layout",),
         "the serving config names the layers one above the trained ones",
     ),
@@ -436,8 +436,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dspark-reload-drops-the-markov-head",
         "lightning_drafts/dspark/reload.py",
-        "module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)",
-        "module.draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items() "
+        "draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items()}, strict=False)",
+        "draft.load_state_dict({k: v.to(reference[k].dtype) for k, v in state.items() "
         'if not k.startswith("markov_head.")}, strict=False)',
         (CONFORMANCE_RELOAD + "[DSparkModule-qwen3-specforge]",),
         "a reload keeps the module's initial Markov head",
@@ -518,7 +518,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "target-worker-weights-unchecked",
-        "lightning_drafts/training/worker_identity.py",
+        "lightning_drafts/training/remote/worker_identity.py",
         '"weights",',
         '# "weights",',
         (
@@ -529,7 +529,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "target-worker-field-of-one-side-unchecked",
-        "lightning_drafts/training/worker_identity.py",
+        "lightning_drafts/training/remote/worker_identity.py",
         "if identity.get(field) != expected.get(field):",
         "if field in expected and identity.get(field) != expected[field]:",
         (
@@ -547,6 +547,28 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_checkpoint_missing_a_whole_section_is_refused_naming_the_file_and_the_section",
         ),
         "a checkpoint without its loops or optimizer state resumes from step 0 or with fresh moments, silently",
+    ),
+    Mutant(
+        "checkpoint-with-its-digests-removed-read-unverified",
+        "lightning_drafts/training/checkpoint_integrity.py",
+        "    if recorded is None and digested:",
+        "    if recorded is None and digested and False:",
+        (
+            "tests/serving/test_integrity.py::"
+            "test_a_checkpoint_whose_digests_were_removed_is_refused_and_one_that_never_had_them_is_named",
+        ),
+        "a checkpoint whose digest map was removed is read as one written before digests, unverified",
+    ),
+    Mutant(
+        "moved-class-refuses-its-own-old-checkpoints",
+        "lightning_drafts/training/checkpoint_integrity.py",
+        "if recorded is None or recorded == expected or recorded in tuple(former):",
+        "if recorded is None or recorded == expected:",
+        (
+            "tests/test_architecture.py::"
+            "test_a_checkpoint_of_the_old_layout_loads_and_exports_byte_identical[dflash2-None]",
+        ),
+        "a DFlash2 checkpoint written before the class moved to its own file is refused as another family",
     ),
     Mutant(
         "checkpoint-without-weights-left-to-lightning",

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from benchmarks.nemo_reference import gradient_pairs
 from lightning_drafts.core.batch import PackedBatch, validate_batch
-from tests.reference.nemo import gradient_pairs
 from tests.support.builders import packed_row, padded_rows, stack_rows
 
 LOSS_ATOL, LOSS_RTOL = 5e-6, 1e-6

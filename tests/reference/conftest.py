@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reference.nemo import ReferenceUnavailable, reference_root
+from benchmarks.nemo_reference import ReferenceUnavailable, reference_root
 
 
 @pytest.fixture(scope="session", autouse=True)

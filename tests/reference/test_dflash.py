@@ -1,5 +1,5 @@
 """DFlash and DFlash2 equal NeMo Automodel's ``DFlashTrainerModule`` / ``DFlash2TrainerModule`` (the
-reference implementation, see ``tests/reference/nemo.py``): on the same target, the same draft weights, the
+reference implementation, see ``benchmarks/nemo_reference.py``): on the same target, the same draft weights, the
 same batch, packed and padded, and the same explicit anchors, the loss, every gradient and the block
 statistics; under each objective NeMo has (``dflash`` with and without the depth decay, ``variable_prefix``
 with the same prefix lengths, DFlash2's selector term).
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.nemo_reference import dflash_reference
 from lightning_drafts import DFlash2Module, DFlashModule
 from lightning_drafts.blockdraft.objective import sample_prefix_lengths
 from tests.reference.compare import (
@@ -23,7 +24,6 @@ from tests.reference.compare import (
     packed_batch,
     warm_up,
 )
-from tests.reference.nemo import dflash_reference
 from tests.support.builders import TINY_TARGETS
 
 BLOCK = 4

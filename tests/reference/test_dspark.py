@@ -1,5 +1,5 @@
 """DSpark equals NeMo Automodel's ``DSparkTrainerModule`` (the reference implementation, see
-``tests/reference/nemo.py``) with each Markov head (``vanilla``, ``gated``, ``rnn``) and the confidence head
+``benchmarks/nemo_reference.py``) with each Markov head (``vanilla``, ``gated``, ``rnn``) and the confidence head
 read with or without it: on the same target, the same draft weights, the same batch, packed and padded, and
 the same anchors (every valid one, which is what NeMo's draft samples when it may take more than there
 are), the loss, its three terms, every gradient and NeMo's diagnostics (``accept_rate@k``, ``tau``, the
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.nemo_reference import dspark_anchors, dspark_reference
 from lightning_drafts import DSparkModule
 from tests.reference.compare import (
     assert_gradients_equal,
@@ -18,7 +19,6 @@ from tests.reference.compare import (
     packed_batch,
     warm_up,
 )
-from tests.reference.nemo import dspark_anchors, dspark_reference
 from tests.support.builders import TINY_TARGETS
 
 COMMON = {"block_size": 4, "num_draft_layers": 2, "markov_rank": 16, "draft_attn_backend": "sdpa"}

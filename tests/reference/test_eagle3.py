@@ -1,5 +1,5 @@
 """EAGLE-3 and MLA-EAGLE-3 equal NeMo Automodel's ``Eagle3TrainerModule`` (the reference implementation, see
-``tests/reference/nemo.py``): on the same target, the same draft weights and the same batch, packed and
+``benchmarks/nemo_reference.py``): on the same target, the same draft weights and the same batch, packed and
 padded, the loss, every gradient and the acceptance statistics; under each per-step objective NeMo has
 (soft cross-entropy, LK ``alpha`` and ``lambda``), with the full and a compressed draft vocabulary."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.nemo_reference import eagle3_reference
 from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.core.acceptance import prefix_counts
 from tests.reference.compare import (
@@ -18,7 +19,6 @@ from tests.reference.compare import (
     packed_batch,
     warm_up,
 )
-from tests.reference.nemo import eagle3_reference
 from tests.support.builders import TINY_TARGETS
 
 # (module class, target, lk_loss_type, draft_vocab_size)

@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.reference.nemo import ENV_VAR, ROOT, load, reference_root
+from benchmarks.nemo_reference import ENV_VAR, ROOT, load, reference_root
 from tests.support.hang_guard import HANG_GUARD_S
 
 PROBE = """
 import sys
-from tests.reference.nemo import load, reference_root
+from benchmarks.nemo_reference import load, reference_root
 eagle = load("speculative.eagle.core")
 package = sys.modules["nemo_automodel.components.speculative.eagle"]
 print(reference_root())

@@ -24,21 +24,19 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+from benchmarks.two_process import trainer
 from lightning_drafts import Eagle3Module
 from lightning_drafts.cli.process_group import end_process_group
-from lightning_drafts.dflash.module import DFlash2Module, DFlashModule
+from lightning_drafts.dflash.dflash2_module import DFlash2Module
+from lightning_drafts.dflash.module import DFlashModule
 from lightning_drafts.dspark.module import DSparkModule
 from lightning_drafts.eagle3.module import MLAEagle3Module
 from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.support.builders import TINY_TARGETS, packed_row, stack_rows
-from tests.support.cpu_fsdp1 import CPUFSDPStrategy
 
 EAGLE3 = ("eagle3", "mla_eagle3")
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 3}
@@ -57,9 +55,6 @@ DRAFTS = {
         **BLOCK_DRAFT,
     ),
 }
-
-
-CLIP = 0.05  # below every draft's gradient norm here: clipping acts on every step
 
 
 class SaveGradients(L.Callback):
@@ -143,24 +138,6 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader([{k: v[0] for k, v in r.items()} for r in rows], batch_size=1)
 
 
-def strategy_of(name: str) -> object:
-    if name == "ddp":
-        return "ddp"
-    if name == "fsdp1":
-        # As the FSDP1 recipe: the target's decoder layers are the FSDP units.
-        return CPUFSDPStrategy(
-            process_group_backend="gloo",
-            state_dict_type="full",
-            auto_wrap_policy={LlamaDecoderLayer, Qwen3DecoderLayer, DeepseekV3DecoderLayer},
-        )
-    return ModelParallelStrategy(
-        data_parallel_size=2,
-        tensor_parallel_size=1,
-        process_group_backend="gloo",
-        save_distributed_checkpoint=False,
-    )
-
-
 def build(draft: str, strategy: str) -> L.LightningModule:
     L.seed_everything(0)
     module = DRAFTS[draft](2 if strategy == "fsdp2" else None)
@@ -175,21 +152,6 @@ def build(draft: str, strategy: str) -> L.LightningModule:
     # As load_from_checkpoint or an earlier single-device run would: the strategy must still shard it.
     module.configure_model()
     return module
-
-
-def trainer(strategy: str, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy_of(strategy),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        gradient_clip_val=CLIP,
-    )
 
 
 def step_save_resume(out: Path, draft: str, strategy: str) -> None:

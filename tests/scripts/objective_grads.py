@@ -20,8 +20,9 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
+from benchmarks.two_process import strategy_of
 from lightning_drafts import DFlash2Module, DFlashModule, Eagle3Module
-from tests.scripts.distributed_grads import exit_after_the_last_collective, strategy_of, whole
+from tests.scripts.distributed_grads import exit_after_the_last_collective, whole
 from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.support.builders import TINY_TARGETS, packed_row, stack_rows
 

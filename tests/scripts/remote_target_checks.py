@@ -35,8 +35,8 @@ from safetensors.torch import load_file
 from lightning_drafts.callbacks import ServedAcceptanceCallback
 from lightning_drafts.cli.fit import build_from_config
 from lightning_drafts.core.digest import state_digest
-from lightning_drafts.training.remote_target import start_local_ray
-from lightning_drafts.training.target_worker import TargetWorker
+from lightning_drafts.training.remote.remote_target import start_local_ray
+from lightning_drafts.training.remote.target_worker import TargetWorker
 from lightning_drafts.workflows.capture import capture_features
 from tests.support.hang_guard import HANG_GUARD_S
 
@@ -64,7 +64,7 @@ class Losses(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         # The run's RemoteTarget (the module lets go of it at teardown).
-        self.remote = pl_module.remote_target
+        self.remote = pl_module.remote_features.remote
 
 
 def build(config: str, *overrides: str):
@@ -89,8 +89,8 @@ def fit(
     model, data = build(config, *overrides)
     remote = None
     if remote_options is not None:
-        remote = model.build_remote_target(**remote_options)
-        model.use_remote_target(remote)
+        remote = model.remote_features.build(**remote_options)
+        model.remote_features.use(remote)
     losses = Losses()
     callbacks = [losses, *callbacks]
     trainer = L.Trainer(
@@ -130,7 +130,7 @@ def check_exact(configs: list[str], checkpoints: Path) -> dict:
         saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")
         run = fit(
             config,
-            "--model.init_args.target_workers=2",
+            "--model.init_args.remote.workers=2",
             callbacks=[*([saver] if config == configs[0] else []), *served_there],
         )
         same(config, reference, run)
@@ -237,7 +237,7 @@ class KillWorkersAfterStep(L.Callback):
         self.step = step
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.pids = pl_module.remote_target.worker_pids()
+        self.pids = pl_module.remote_features.remote.worker_pids()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx == self.step:
@@ -315,9 +315,9 @@ def check_faults(config: str, reference) -> None:
         raise AssertionError("a unit that always fails did not stop the run")
 
     model, _ = build(config)
-    remote = model.build_remote_target(workers=1, worker_args={"dtype": "bfloat16"})
+    remote = model.remote_features.build(workers=1, worker_args={"dtype": "bfloat16"})
     try:
-        model.use_remote_target(remote)
+        model.remote_features.use(remote)
     except ValueError as error:
         assert "target worker 0 serves another target: dtype is 'bfloat16' there but 'float32'" in str(
             error
@@ -335,8 +335,8 @@ EPOCHS = 2
 def cache_options(directory: Path, *more: str) -> list[str]:
     return [
         *CACHED,
-        "--model.init_args.target_workers=2",
-        f"--model.init_args.target_cache_dir={directory}",
+        "--model.init_args.remote.workers=2",
+        f"--model.init_args.remote.cache_dir={directory}",
         *more,
     ]
 
@@ -387,7 +387,7 @@ def crash_child(config: str, address: str, checkpoints: str, cache: str) -> None
     saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     fit(
         config,
-        *cache_options(Path(cache), f"--model.init_args.target_address={address}"),
+        *cache_options(Path(cache), f"--model.init_args.remote.address={address}"),
         callbacks=[saver, DieWhileTraining(2)],
         epochs=EPOCHS,
     )
@@ -455,7 +455,7 @@ class RankRecord(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        remote = pl_module.remote_target
+        remote = pl_module.remote_features.remote
         units = [] if remote is None else [vars(u) for u in sorted(remote.ledger.consumed)]
         record = {"losses": self.losses, "units": units, "digest": state_digest(pl_module.draft_state_dict())}
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -482,7 +482,7 @@ def two_ranks(config: str, out: Path, *overrides: str) -> list[dict]:
 
 
 def check_two_ranks(config: str) -> None:
-    """Two trainer ranks (DDP on gloo) whose ranks join this Ray (``target_address``) with one worker
+    """Two trainer ranks (DDP on gloo) whose ranks join this Ray (``remote.address``) with one worker
     each: every rank trains on exactly its own units (its rank, every step once) with the co-located
     rank's per-step losses and draft."""
     import ray
@@ -493,8 +493,8 @@ def check_two_ranks(config: str) -> None:
     remote = two_ranks(
         config,
         out / "remote",
-        "--model.init_args.target_workers=1",
-        f"--model.init_args.target_address={address}",
+        "--model.init_args.remote.workers=1",
+        f"--model.init_args.remote.address={address}",
     )
     for rank in range(2):
         expected = [

@@ -124,7 +124,7 @@ def test_a_checkpoint_without_its_weights_is_refused_outside_the_cli_naming_them
     with pytest.raises(ValueError, match="damaged: state_dict"):
         trainer(tmp_path, 4).fit(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=cut)
     # Without its digests too (a checkpoint written before they were recorded): refused by name.
-    del saved["checkpoint_digest"]
+    del saved["checkpoint_digest"], saved["checkpoint_digested"]
     torch.save(saved, cut)
     with pytest.raises(ValueError, match="holds no state_dict"):
         trainer(tmp_path, 4).validate(NextTokenProbe(TINY_TARGETS["llama"]), loader(), ckpt_path=cut)
@@ -265,3 +265,26 @@ def test_a_checkpoint_missing_a_whole_section_is_refused_naming_the_file_and_the
     eagle3 = ROOT / "configs" / "quickstart" / "eagle3.yaml"
     line = refusal(capsys, "fit", f"--config={eagle3}", f"--ckpt_path={cut}", "--trainer.logger=false")
     assert line.startswith(f"lightning-drafts fit: error: {cut} is damaged: {section} ("), line
+
+
+def test_a_checkpoint_whose_digests_were_removed_is_refused_and_one_that_never_had_them_is_named(
+    checkpoint, tmp_path, capsys
+):
+    saved = torch.load(checkpoint, weights_only=False)
+    del saved["checkpoint_digest"]
+    stripped = tmp_path / "stripped.ckpt"
+    torch.save(saved, stripped)
+    line = refusal(capsys, "export", str(stripped), str(tmp_path / "export"))
+    assert line.startswith(
+        f"lightning-drafts export: error: {stripped} was written with digests of its sections but holds none"
+    ), line
+    with pytest.raises(ValueError, match="was written with digests of its sections but holds none"):
+        NextTokenProbe.load_from_checkpoint(stripped, target=TINY_TARGETS["llama"])
+    assert not (tmp_path / "export").exists()
+    # Resuming from it is refused the same way, before the model is built.
+    eagle3 = ROOT / "configs" / "quickstart" / "eagle3.yaml"
+    line = refusal(capsys, "fit", f"--config={eagle3}", f"--ckpt_path={stripped}", "--trainer.logger=false")
+    assert line.startswith(f"lightning-drafts fit: error: {stripped} was written with digests"), line
+    # A checkpoint of a release that wrote no digests still exports, and says that it is read unverified.
+    with pytest.warns(UserWarning, match=r"records no digests .*: its sections are read unverified"):
+        export_checkpoint(OLD_CHECKPOINT, tmp_path / "old")

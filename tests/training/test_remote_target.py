@@ -1,4 +1,4 @@
-"""The target on its own Ray workers (``target_workers``): exact, nothing lost, nothing duplicated, cached.
+"""The target on its own Ray workers (``remote.workers``): exact, nothing lost, nothing duplicated, cached.
 
 The Ray checks run in one subprocess (tests/scripts/remote_target_checks.py) that starts one local Ray and
 real worker processes for all of them; each test below reads its checks' lines from that one run. The
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_drafts.training.unit_ledger import Unit, UnitLedger
+from lightning_drafts.training.remote.unit_ledger import Unit, UnitLedger
 from tests.support.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,13 +132,13 @@ def test_a_cache_without_workers_or_of_an_unknown_dtype_is_refused_naming_the_op
         "--data.init_args.max_documents=4",
         "--data.init_args.setup_summary=false",
     ]
-    with pytest.raises(ValueError, match=r"target_cache_dir = 'x' caches what target workers send"):
-        build_from_config([*config, "--model.init_args.target_cache_dir=x"])
+    with pytest.raises(ValueError, match=r"remote.cache_dir = 'x' caches what target workers send"):
+        build_from_config([*config, "--model.init_args.remote.cache_dir=x"])
     with pytest.raises(ValueError, match=r"dtype 'int8' cannot store features"):
         build_from_config(
-            [*config, "--model.init_args.target_workers=1", "--model.init_args.target_cache_dtype=int8"]
+            [*config, "--model.init_args.remote.workers=1", "--model.init_args.remote.cache_dtype=int8"]
         )
-    with pytest.raises(ValueError, match=r"target_unit_timeout_s"):
+    with pytest.raises(ValueError, match=r"remote.unit_timeout_s"):
         build_from_config(
-            [*config, "--model.init_args.target_workers=1", "--model.init_args.target_unit_timeout_s=0"]
+            [*config, "--model.init_args.remote.workers=1", "--model.init_args.remote.unit_timeout_s=0"]
         )

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_drafts import Eagle3Module
-from lightning_drafts.training.target_worker import TargetWorker
-from lightning_drafts.training.worker_identity import fingerprint_mismatch, identity_mismatch
+from lightning_drafts.training.remote.target_worker import TargetWorker
+from lightning_drafts.training.remote.worker_identity import fingerprint_mismatch, identity_mismatch
 from tests.support.builders import TINY_TARGETS
 
 # Every field a trainer's features depend on, written out here (not read from the code under test): the
@@ -35,13 +35,13 @@ def trainer_and_worker() -> tuple[Eagle3Module, dict]:
     module = Eagle3Module(
         dict(TINY_TARGETS["llama"]), ttt_length=2, draft_vocab_size=64, token_frequencies=None
     )
-    worker = TargetWorker(**module.build_remote_target().worker_args)
+    worker = TargetWorker(**module.remote_features.build().worker_args)
     return module, worker.identity()
 
 
 def test_a_worker_of_the_trainers_own_target_is_accepted(trainer_and_worker):
     module, identity = trainer_and_worker
-    expected = module.remote_identity()
+    expected = module.remote_features.identity()
     assert set(expected) <= set(IDENTITY_FIELDS), set(expected) - set(IDENTITY_FIELDS)
     assert identity_mismatch(0, identity, expected) is None
     assert fingerprint_mismatch(1, identity, identity) is None
@@ -50,7 +50,7 @@ def test_a_worker_of_the_trainers_own_target_is_accepted(trainer_and_worker):
 @pytest.mark.parametrize("field", IDENTITY_FIELDS)
 def test_a_worker_differing_in_one_field_is_refused_naming_it(trainer_and_worker, field):
     module, identity = trainer_and_worker
-    expected = module.remote_identity()
+    expected = module.remote_features.identity()
     other = {**identity, field: f"another {field}"}
     refused = identity_mismatch(2, other, expected)
     assert refused is not None and refused.startswith(
@@ -67,9 +67,9 @@ def test_a_worker_holding_another_random_target_of_the_same_config_is_refused_by
     trainer_and_worker,
 ):
     module, _ = trainer_and_worker
-    args = {**module.build_remote_target().worker_args, "seed": 1}
+    args = {**module.remote_features.build().worker_args, "seed": 1}
     identity = TargetWorker(**args).identity()
-    refused = identity_mismatch(0, identity, module.remote_identity())
+    refused = identity_mismatch(0, identity, module.remote_features.identity())
     assert refused is not None and ": weights is " in refused, refused
 
 

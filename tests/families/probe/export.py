@@ -41,9 +41,7 @@ def write_probe_export(module: ProbeDraft, output_dir: str | Path) -> Path:
         "lightning_drafts": {**module.target_record(), "layer_id_convention": CONVENTION},
     }
     tensors = {"head.weight": module.head.weight, "head.bias": module.head.bias}
-    return write_export(
-        output_dir, config, tensors, check=lambda staged: validate_probe_export(staged, module.target)
-    )
+    return write_export(output_dir, config, tensors)
 
 
 def validate_probe_export(directory: Path, target: FrozenTarget | None = None) -> ExportSummary:

@@ -16,7 +16,7 @@ import hashlib
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open
@@ -27,10 +27,12 @@ from lightning_drafts.datamodules.document_features import DocumentFeatures, cut
 from lightning_drafts.datamodules.documents import Documents
 from lightning_drafts.datamodules.feature_store import read_manifest, write_manifest, write_shard
 from lightning_drafts.datamodules.packing import Placement
-from lightning_drafts.training.features_manifest import check_resumable, features_manifest, storage_dtype
-
-if TYPE_CHECKING:
-    from lightning_drafts.training.module import DraftModule
+from lightning_drafts.training.features_manifest import (
+    CaptureIdentity,
+    check_resumable,
+    features_manifest,
+    storage_dtype,
+)
 
 RECEIVED = "received"
 # A document's tensors in a received file: "<source>/<corpus offset>/<part>".
@@ -38,14 +40,14 @@ PARTS = ("hidden", "positions", "states")
 
 
 class FeatureCache:
-    """The features directory ``directory`` being filled for ``module`` from the documents of
-    ``sources`` (the data module's :meth:`captured_sources`; ``data``: its :meth:`capture_record`),
-    stored in ``dtype``, about ``shard_bytes`` a shard."""
+    """The features directory ``directory`` being filled with the features ``capture`` names, of the
+    documents of ``sources`` (the data module's :meth:`captured_sources`; ``data``: its
+    :meth:`capture_record`), stored in ``dtype``, about ``shard_bytes`` a shard."""
 
     def __init__(
         self,
         directory: str | Path,
-        module: DraftModule,
+        capture: CaptureIdentity,
         sources: dict[str, Documents],
         data: dict[str, Any],
         dtype: str,
@@ -54,8 +56,8 @@ class FeatureCache:
         self.directory = Path(directory)
         self.storage = storage_dtype(dtype)
         self.sources = sources
-        self.num_layers = len(module.feature_request().layer_ids)
-        self.manifest = features_manifest(module, self.storage, sources, shard_bytes, data)
+        self.num_layers = len(capture.request.layer_ids)
+        self.manifest = features_manifest(capture, self.storage, sources, shard_bytes, data)
         existing = read_manifest(self.directory)
         if existing is not None:
             check_resumable(existing, self.manifest, self.directory)

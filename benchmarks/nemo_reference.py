@@ -8,7 +8,7 @@ hooks, so :func:`load` reads NeMo's packages as empty namespaces (their ``__init
 for the few whose names the draft files import) and then imports the draft files themselves, which need only
 torch and transformers. Nothing of NeMo is copied into this project.
 
-Used by ``tests/reference/`` and by benchmarks that compare against the reference:
+Used by ``benchmarks/vs_reference.py`` and by the oracle tests of ``tests/reference/``:
 
 * :func:`load` imports one NeMo module (``load("speculative.eagle.core")``);
 * :func:`eagle3_reference`, :func:`dflash_reference`, :func:`dspark_reference` build NeMo's side of a
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 ENV_VAR = "LIGHTNING_DRAFTS_REFERENCE_ROOT"
 PACKAGE = "nemo_automodel"
 # Packages whose __init__ must run: the draft files import names that only these define. Every other NeMo

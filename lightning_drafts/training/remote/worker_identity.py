@@ -1,5 +1,5 @@
 """Whether a target worker serves the trainer's own target: its identity (see
-:meth:`~lightning_drafts.training.target_worker.TargetWorker.identity`) compared field by field with the
+:meth:`~lightning_drafts.training.remote.target_worker.TargetWorker.identity`) compared field by field with the
 trainer's, and the workers' decoder fingerprints with each other.
 
 A worker that differs in any one field computes other features than the co-located target would: another

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.core.target_features import FeatureRequest
-from lightning_drafts.training.unit_ledger import Unit
+from lightning_drafts.training.remote.unit_ledger import Unit
 
 
 class PlannedUnits:

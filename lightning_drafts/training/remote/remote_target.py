@@ -1,7 +1,7 @@
 """RemoteTarget: the frozen target on Ray actors (its own GPUs or machines), serving one trainer rank.
 
-The trainer sends each planned micro-batch (a :class:`~lightning_drafts.training.unit_ledger.Unit`: the
-token rows its loader will yield) to a :class:`~lightning_drafts.training.target_worker.TargetWorker`
+The trainer sends each planned micro-batch (a :class:`~lightning_drafts.training.remote.unit_ledger.Unit`: the
+token rows its loader will yield) to a :class:`~lightning_drafts.training.remote.target_worker.TargetWorker`
 ahead of need, up to ``prefetch`` units and ``max_bytes_in_flight`` bytes of results (a slow trainer
 stalls the workers, a slow worker stalls the trainer, memory stays bounded). Results travel through Ray's
 object store and are taken once each (:class:`UnitLedger`); a unit whose worker died, whose result was
@@ -23,9 +23,9 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_drafts.training.target_worker import TargetWorker
-from lightning_drafts.training.unit_ledger import Unit, UnitLedger
-from lightning_drafts.training.worker_identity import fingerprint_mismatch, identity_mismatch
+from lightning_drafts.training.remote.target_worker import TargetWorker
+from lightning_drafts.training.remote.unit_ledger import Unit, UnitLedger
+from lightning_drafts.training.remote.worker_identity import fingerprint_mismatch, identity_mismatch
 
 logger = logging.getLogger("lightning_drafts.training")
 
@@ -110,7 +110,7 @@ class RemoteTarget:
         worker_class: type = TargetWorker,
     ) -> None:
         if int(workers) < 1:
-            raise ValueError(f"target_workers = {workers}; a remote target needs at least 1 worker")
+            raise ValueError(f"remote.workers = {workers}; a remote target needs at least 1 worker")
         if int(prefetch) < 0 or int(max_attempts) < 1 or int(max_bytes_in_flight) < 1:
             raise ValueError(
                 f"prefetch = {prefetch} (>= 0), max_attempts = {max_attempts} (>= 1) and max_bytes_in_flight = "
@@ -147,7 +147,7 @@ class RemoteTarget:
     def start(self, expected: Mapping[str, Any]) -> None:
         """Start Ray (or join the cluster), start the workers, and refuse any whose identity differs from
         ``expected`` (the trainer's own target, layers, backend and torch) in a field of
-        :data:`~lightning_drafts.training.worker_identity.CHECKED_FIELDS`, naming the field."""
+        :data:`~lightning_drafts.training.remote.worker_identity.CHECKED_FIELDS`, naming the field."""
         import ray
 
         if not ray.is_initialized():

@@ -1,5 +1,5 @@
 """TargetWorker: the frozen target in a process of its own (a Ray actor, see
-:mod:`lightning_drafts.training.remote_target`), computing the target features of the micro-batches a
+:mod:`lightning_drafts.training.remote.remote_target`), computing the target features of the micro-batches a
 trainer sends it.
 
 It holds the :class:`FrozenTarget` co-located training would hold (same spec, seed, dtype and attention
