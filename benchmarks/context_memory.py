@@ -1,14 +1,14 @@
 """Peak memory and time of one packed training step of every draft against the row width (the context).
 
 Each draft is its quickstart config (``configs/quickstart/<draft>.yaml``: the shipped tiny trained
-target, the draft's own settings; ``--targets tiny``: the random tiny targets of ``tests/support/builders.py``)
+target, the draft's own settings; ``--targets tiny``: the random tiny targets of ``benchmarks/tiny_targets.py``)
 trained for one step on ONE packed row of ``--widths`` tokens (1k to 32k): documents of chat length
 (64 to 768 tokens, uniform, seeded; 64 to 256 on the tiny targets), the first quarter of each
 unsupervised (its prompt), the rest supervised. The step is the target forward, the draft, the loss,
 its backward and one AdamW step (anchor drafts with anchors drawn by their own ``sample_anchors`` from a
 fixed generator).
 
-Every (draft, width) runs in a fresh subprocess (``tests/scripts/context_step.py``, which the 32k-token
+Every (draft, width) runs in a fresh subprocess (``benchmarks/context_step.py``, which the 32k-token
 test runs too), so a point's peak is its own step's and not a leftover of an earlier one:
 
 * CPU: the growth of the resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``
@@ -40,10 +40,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_SCRIPT = ROOT / "tests" / "scripts" / "context_step.py"
+STEP_SCRIPT = ROOT / "benchmarks" / "context_step.py"
 sys.path.insert(0, str(ROOT))
 
-from tests.scripts import context_step  # noqa: E402
+import context_step  # noqa: E402
 
 DRAFTS = ("eagle3", "mla_eagle3", "dflash", "dflash2", "dspark")
 WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -143,7 +143,7 @@ def report_profile(draft: str, widths: list[int], args: argparse.Namespace) -> N
 
 
 def point(draft: str, width: int, args: argparse.Namespace) -> dict:
-    """One step in a fresh process (``tests/scripts/context_step.py``)."""
+    """One step in a fresh process (``benchmarks/context_step.py``)."""
     return run_child(
         [sys.executable, str(STEP_SCRIPT), draft, str(width), args.targets, "--device", args.device]
         + ["--threads", str(args.threads), "--seed", str(args.seed)]
@@ -169,7 +169,7 @@ def main() -> None:
         "--targets",
         choices=("shipped", "tiny"),
         default="shipped",
-        help="the quickstart configs' shipped targets, or the random tiny ones of tests/support/builders.py",
+        help="the quickstart configs' shipped targets, or the random tiny ones of benchmarks/tiny_targets.py",
     )
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -217,3 +217,18 @@ LAYOUT_CHANGES_SINCE_D429C0E = {
 def _json_bytes(config: dict) -> bytes:
     """``config.json`` as the exporter writes it."""
     return (json.dumps(config, indent=2) + "\n").encode()
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    # Tests may build on the benchmarks' shared pieces (tiny targets, the NeMo adapter), not the reverse.
+    found = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [
+                f"{path.name}: {name}" for name in names if name == "tests" or name.startswith("tests.")
+            ]
+    assert len(list((ROOT / "benchmarks").glob("*.py"))) > 10
+    assert not found, found

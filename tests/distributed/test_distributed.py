@@ -24,7 +24,8 @@ CLIP = 0.05  # benchmarks/two_process.py's CLIP, the trainers' gradient_clip_val
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / script), *args],
+        # A script of tests/scripts by its name, any other by its path from the repository root.
+        [sys.executable, str(ROOT / script if "/" in script else ROOT / "tests" / "scripts" / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

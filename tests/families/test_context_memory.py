@@ -1,9 +1,9 @@
 """One training step of every draft on a 32k-token packed row, on the CPU, within a memory bound linear
 in the row width.
 
-Each draft is its quickstart config on the random tiny target of its shipped one (``tests/support/builders.py``),
+Each draft is its quickstart config on the random tiny target of its shipped one (``benchmarks/tiny_targets.py``),
 trained for one step (target forward, draft, loss, backward, AdamW) on one packed row of 32,768 tokens
-in a fresh process (``tests/scripts/context_step.py``), so the measured peak is the step's own. Each
+in a fresh process (``benchmarks/context_step.py``), so the measured peak is the step's own. Each
 bound is 1.5x the line ``peak = a + b * T`` that ``benchmarks/context_memory.py --targets tiny --widths
 4096 8192 16384`` fitted to the same step at 4k-16k tokens, extended to 32k (docs/results/context-memory.md).
 One term quadratic in the row width, a boolean ``[T, T]`` mask alone, is 1 GiB here and breaks every
@@ -33,8 +33,8 @@ BOUND_MIB = {draft: 1.5 * (a + b * WIDTH / 1024) for draft, (a, b) in FITTED.ite
 
 @pytest.mark.parametrize("draft", sorted(BOUND_MIB))
 def test_a_32k_token_row_trains_within_a_linear_memory_bound(draft):
-    # The tests' one way to run a script of tests/scripts (one thread, offline, under the hang guard).
-    proc = run_script("context_step.py", draft, str(WIDTH), "tiny")
+    # The tests' one way to run a script (one thread, offline, under the hang guard).
+    proc = run_script("benchmarks/context_step.py", draft, str(WIDTH), "tiny")
     step = json.loads(proc.stdout.strip().splitlines()[-1])
     assert step["width"] == WIDTH and step["documents"] > 100
     assert step["valid_tokens"] > 0

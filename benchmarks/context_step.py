@@ -4,7 +4,7 @@ Usage: context_step.py DRAFT WIDTH TARGETS [--device cpu|cuda] [--threads N] [--
 
 ``DRAFT`` is a quickstart config (``configs/quickstart/<draft>.yaml``: the draft's own settings);
 ``TARGETS`` is ``shipped`` (the config's shipped tiny trained target, documents of 64-768 tokens) or
-``tiny`` (the random tiny targets of ``tests/support/builders.py``, a 96-id vocabulary, documents of 64-256
+``tiny`` (the random tiny targets of ``benchmarks/tiny_targets.py``, a 96-id vocabulary, documents of 64-256
 tokens; the draft vocabulary is the target's). The row packs documents of
 random lengths (seeded; the last one takes what is left), the first quarter of each unsupervised. The
 step is the target forward, the draft, the loss, its backward and one AdamW step. Prints one JSON line:
@@ -13,7 +13,7 @@ reset through ``/proc/self/clear_refs`` after ``malloc_trim``; CUDA: ``torch.cud
 its wall and CPU seconds, the loss, the supervised count and whether every trainable parameter got a
 finite gradient that the step applied.
 
-Used by ``tests/training/test_context_memory.py`` and ``benchmarks/context_memory.py``.
+Used by ``tests/families/test_context_memory.py`` and ``benchmarks/context_memory.py``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.builders import TINY_TARGETS  # noqa: E402
+from tiny_targets import TINY_TARGETS  # noqa: E402
 
 # The random tiny target of each draft's shipped one.
 TINY_OF_SHIPPED = {
