@@ -18,7 +18,7 @@ from lightning_drafts.callbacks.data_match import DataMatchCallback
 from lightning_drafts.callbacks.preemption import PreemptionCheckpoint
 from lightning_drafts.callbacks.progress import console_progress_bar
 from lightning_drafts.cli.console_notices import leave_out_own_run_notice
-from lightning_drafts.cli.moved_names import refuse_moved_class_paths, refuse_retired_options
+from lightning_drafts.cli.moved_names import refuse_moved_names
 from lightning_drafts.cli.resume import resume_into_same_run, resumed_checkpoint
 from lightning_drafts.cli.resumed_hyperparameters import refuse_changed_run
 from lightning_drafts.cli.run_claim import claim_run_directory
@@ -138,8 +138,7 @@ def run_cli(args: list[str] | None = None) -> DraftCLI:
     """LightningCLI for ``fit`` / ``validate`` (returned so notebooks and tests can read the trainer).
 
     ``args=None`` lets LightningCLI read the command line itself (as a console entry point should)."""
-    refuse_moved_class_paths(sys.argv[1:] if args is None else args)
-    refuse_retired_options(sys.argv[1:] if args is None else args)
+    refuse_moved_names(sys.argv[1:] if args is None else args)
     return DraftCLI(
         DraftModule,
         PackedChatDataModule,
@@ -201,8 +200,7 @@ def _class_of(class_path: str) -> type:
 def build_from_config(args: list[str]) -> tuple[DraftModule, Any]:
     """The model and data module a ``fit`` config (plus overrides) names, built as ``fit`` builds them
     (the tokenizer's vocabulary and pad id linked into the model), without a trainer run."""
-    refuse_moved_class_paths(args)
-    refuse_retired_options(args)
+    refuse_moved_names(args)
     with warnings.catch_warnings():
         # The command line holds the calling subcommand's own options too; `args` is what the config reads.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

@@ -19,51 +19,48 @@ from lightning_drafts.training.remote.config import RETIRED_NAMES
 MOVED_PACKAGES = ("datamodules", "callbacks")
 
 
-def refuse_moved_class_paths(args: list[str]) -> None:
-    """Raise ``ValueError`` naming the new class path for any old one in ``args`` or their ``--config`` files."""
-    for where, value in _class_path_values(args):
-        package = value.split(".", 1)[0]
-        if package in MOVED_PACKAGES and "." in value:
-            raise ValueError(
-                f"{where} names {value!r}: the {package} package is now lightning_drafts.{package}; write "
-                f"'lightning_drafts.{value}'"
-            )
-
-
-def refuse_retired_options(args: list[str]) -> None:
-    """Raise ``ValueError`` naming the ``remote`` option for a flat target-worker option in ``args`` or their
-    ``--config`` files."""
-    for index, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name == "--config" and not value and index + 1 < len(args):
-            value = args[index + 1]
-        if name == "--config" and Path(value).is_file():
-            config = read_yaml(value)
+def refuse_moved_names(args: list[str]) -> None:
+    """Raise ``ValueError`` naming the new name for any moved one in ``args`` or their ``--config`` files
+    (each file read once)."""
+    for name, value, config in _given(args):
+        if config is None:
+            option = name.removeprefix("--model.init_args.")
+            retired = [option] if option != name and option in RETIRED_NAMES else []
+            where, prefix, class_paths = "", "--model.init_args", [value] if value else []
+        else:
             model = config.get("model") if isinstance(config, dict) else None
             init_args = model.get("init_args") if isinstance(model, dict) else None
-            found = [key for key in (init_args or {}) if key in RETIRED_NAMES]
-            where, prefix = f"{value}: ", "model.init_args"
-        else:
-            option = name.removeprefix("--model.init_args.")
-            found = [option] if option != name and option in RETIRED_NAMES else []
-            where, prefix = "", "--model.init_args"
-        if found:
+            retired = [key for key in (init_args or {}) if key in RETIRED_NAMES]
+            where, prefix, class_paths = (
+                f"{value}: ",
+                "model.init_args",
+                list(_strings_under_class_path(config)),
+            )
+        for class_path in class_paths:
+            package = class_path.split(".", 1)[0]
+            if package in MOVED_PACKAGES and "." in class_path:
+                raise ValueError(
+                    f"{value if config is not None else name} names {class_path!r}: the {package} package is now "
+                    f"lightning_drafts.{package}; write 'lightning_drafts.{class_path}'"
+                )
+        if retired:
             raise ValueError(
-                f"{where}{prefix}.{found[0]} is now {prefix}.remote.{RETIRED_NAMES[found[0]]} (the target "
+                f"{where}{prefix}.{retired[0]} is now {prefix}.remote.{RETIRED_NAMES[retired[0]]} (the target "
                 "workers' options are one `remote` block); write it there"
             )
 
 
-def _class_path_values(args: list[str]) -> Iterator[tuple[str, str]]:
+def _given(args: list[str]) -> Iterator[tuple[str, str, Any]]:
+    """``(option, value, None)`` for each ``--option[=value]`` of ``args``, and ``("--config", path, the
+    parsed file)`` for each config file they name."""
     for index, arg in enumerate(args):
         name, _, value = arg.partition("=")
         if name == "--config" and not value and index + 1 < len(args):
             value = args[index + 1]
         if name == "--config" and Path(value).is_file():
-            for found in _strings_under_class_path(read_yaml(value)):
-                yield value, found
-        elif name.startswith("--") and value:
-            yield name, value
+            yield name, value, read_yaml(value)
+        elif name.startswith("--"):
+            yield name, value, None
 
 
 def _strings_under_class_path(node: Any) -> Iterator[str]:

@@ -17,11 +17,12 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from lightning_drafts.cli.arguments import UsageError
+from lightning_drafts.core.error_chain import error_chain
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "LIGHTNING_DRAFTS_DEBUG"
@@ -64,7 +65,7 @@ def describe(error: BaseException) -> str:
     """The message that explains ``error``: the first error of its chain not raised by a parser wrapping
     another, prefixed by the option the wrappers name (``model.init_args.mask_token_id``, with the class
     it belongs to) and followed by the value they name when the message does not."""
-    chain = list(_chain(error))
+    chain = list(error_chain(error))
     explaining = next((e for e in chain if not _raised_by_wrapper(e)), chain[-1])
     unwritable = _unwritable(explaining)
     if unwritable:
@@ -115,15 +116,6 @@ def _not_finite(text: str) -> bool:
         return not math.isfinite(float(text))
     except ValueError:
         return False
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
 
 
 def _raised_by_wrapper(error: BaseException) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 
+from lightning_drafts.core.error_chain import error_chain
+
 
 class DiskFull(OSError):
     """The disk filled while something was written (its message names the path and the bytes free)."""
@@ -17,13 +19,7 @@ class DiskFull(OSError):
 
 def is_disk_full(error: BaseException) -> bool:
     """Whether ``error``, or an error it was raised from or while handling, is a full disk."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
-        if f"os error {errno.ENOSPC})" in str(current):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(
+        (isinstance(link, OSError) and link.errno == errno.ENOSPC) or f"os error {errno.ENOSPC})" in str(link)
+        for link in error_chain(error)
+    )

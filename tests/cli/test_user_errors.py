@@ -281,3 +281,20 @@ def test_a_run_directory_that_cannot_be_written_is_named_with_the_settings_that_
     assert describe(FileNotFoundError(2, "No such file or directory", "x.jsonl")).startswith("[Errno 2]")
     ours = OSError(code, f"{tmp_path} cannot be written: {reason}; write elsewhere")
     assert describe(ours) == str(ours)
+
+
+def test_a_class_path_of_the_old_top_level_packages_is_refused_with_its_new_name(
+    tmp_path, capsys, monkeypatch
+):
+    config = tmp_path / "old.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: callbacks.AcceptanceCallback\n")
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, f"--config={config}"))
+    assert line == (
+        f"lightning-drafts fit: error: {config} names 'callbacks.AcceptanceCallback': the callbacks package is now "
+        "lightning_drafts.callbacks; write 'lightning_drafts.callbacks.AcceptanceCallback'"
+    ), line
+    (line, _) = fails(capsys, monkeypatch, *fit(tmp_path, "--data=datamodules.PackedChatDataModule"))
+    assert line == (
+        "lightning-drafts fit: error: --data names 'datamodules.PackedChatDataModule': the datamodules package is "
+        "now lightning_drafts.datamodules; write 'lightning_drafts.datamodules.PackedChatDataModule'"
+    ), line
