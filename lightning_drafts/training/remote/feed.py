@@ -11,7 +11,8 @@ epochs, and later runs of the config, train without workers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -157,29 +158,38 @@ class RemoteFeatures:
         return {**batch, **self._features(batch, trainer, dataloader_idx)}
 
     def _features(self, batch: Mapping[str, Tensor], trainer: Any, dataloader_idx: int) -> dict[str, Tensor]:
-        remote = self.remote
         split = "train" if trainer.training else "val"
         feed = self._feeds.get(split)
         if feed is None:
             feed = self._feeds[split] = self._plan(split, trainer, dataloader_idx)
-        request, hidden, dtype = self._sizes()
         unit = feed.unit(feed.advance())
-        needed = expected_feature_bytes(batch, request, hidden, dtype)
-        # The unit needed now goes out first, then the ones after it as the cap allows.
-        remote.offer(unit, batch, needed, force=True)
-        for index in feed.upcoming(remote.prefetch):
-            ahead = feed.unit(index)
-            if remote.ledger.known(ahead):
-                continue
-            rows = feed.rows(index)
-            if not remote.offer(ahead, rows, expected_feature_bytes(rows, request, hidden, dtype)):
-                break
-        features = remote.take(unit, batch, needed)
+        upcoming = [(feed.unit(i), partial(feed.rows, i)) for i in feed.upcoming(self.remote.prefetch)]
+        features = self._exchange(unit, batch, upcoming)
         if self.cache is not None:
             source = trainer.datamodule.source_of(split)
             documents, placement = feed.dataset.documents, feed.dataset.placement(feed.index(unit))
             self.cache.receive(source, documents, placement, features)
         return features
+
+    def _exchange(
+        self,
+        unit: Unit,
+        rows: Mapping[str, Tensor],
+        upcoming: list[tuple[Unit, Callable[[], Mapping[str, Tensor]]]],
+    ) -> dict[str, Tensor]:
+        """``unit``'s features (its token ``rows``): it goes out first, then the ``upcoming`` units (each with
+        a function building its rows, called only for a unit not sent yet) as the cap allows."""
+        remote = self.remote
+        request, hidden, dtype = self._sizes()
+        needed = expected_feature_bytes(rows, request, hidden, dtype)
+        remote.offer(unit, rows, needed, force=True)
+        for ahead, rows_of in upcoming:
+            if remote.ledger.known(ahead):
+                continue
+            more = rows_of()
+            if not remote.offer(ahead, more, expected_feature_bytes(more, request, hidden, dtype)):
+                break
+        return remote.take(unit, rows, needed)
 
     def _plan(self, split: str, trainer: Any, dataloader_idx: int) -> PlannedUnits:
         loader = trainer.train_dataloader if split == "train" else trainer.val_dataloaders
@@ -227,8 +237,7 @@ class RemoteFeatures:
     def _fill_cache(self, trainer: Any) -> None:
         """Ask the workers for the documents no training or validation unit held, packed as a capture
         packs them, and keep their features."""
-        datamodule, remote = trainer.datamodule, self.remote
-        request, hidden, dtype = self._sizes()
+        datamodule = trainer.datamodule
         for number, (source, documents) in enumerate(self.cache.missing().items()):
             plan = plan_epoch(
                 documents.lengths,
@@ -246,13 +255,10 @@ class RemoteFeatures:
                 offsets = [int(documents.starts[d]) for d in placement.docs]
                 self._filling[unit] = f"its documents are {source} documents at corpus offsets {offsets}"
             for i, unit in enumerate(units):
-                needed = expected_feature_bytes(rows[i], request, hidden, dtype)
-                remote.offer(unit, rows[i], needed, force=True)
-                for ahead in range(i + 1, min(i + 1 + remote.prefetch, len(units))):
-                    more = expected_feature_bytes(rows[ahead], request, hidden, dtype)
-                    if not remote.offer(units[ahead], rows[ahead], more):
-                        break
-                features = remote.take(unit, rows[i], needed)
+                ahead = range(i + 1, min(i + 1 + self.remote.prefetch, len(units)))
+                features = self._exchange(
+                    unit, rows[i], [(units[j], partial(rows.__getitem__, j)) for j in ahead]
+                )
                 self.cache.receive(source, documents, placements[i], features)
 
     def _train_from_cache(self, trainer: Any) -> None:
