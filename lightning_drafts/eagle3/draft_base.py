@@ -180,6 +180,13 @@ class Eagle3Draft(nn.Module):
         """Copy the target's input embeddings (cast to the draft dtype); they stay frozen."""
         self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
 
+    @torch.no_grad()
+    def copy_lm_head(self, weight: Tensor) -> None:
+        """Set the LM head to the rows of the target's ``weight`` (``[V, H]``) that the draft vocabulary
+        predicts (cast to the draft dtype)."""
+        rows = weight.index_select(0, self.selected_token_ids.to(weight.device))
+        self.lm_head.weight.copy_(rows.to(self.lm_head.weight.device, self.lm_head.weight.dtype))
+
     def project_hidden_states(self, aux_hidden_states: Tensor) -> Tensor:
         return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
 

@@ -46,8 +46,9 @@ Both drafts write ``<dir>/config.json`` and ``<dir>/model.safetensors``.
 
 Both configs carry a ``lightning_drafts`` section (``draft_class``, ``target_layer_ids``, ``ttt_length``,
 ``loss_decay_gamma``, ``draft_vocab_size``, ``target`` when it is a hub id / path / config dict,
-``target_seed``, ``init_fingerprints`` of the LM head's random initialisation) that :func:`~lightning_drafts.eagle3.reload.load_eagle3`
-uses to rebuild the module and the validator uses to prove the LM head was trained.
+``target_seed``, ``init_fingerprints`` of the LM head's random initialisation, or of ``fc``'s when the head
+started as the target's) that :func:`~lightning_drafts.eagle3.reload.load_eagle3` uses to rebuild the
+module and the validator uses to prove the draft was trained.
 
 ``lightning-drafts export`` checks every export with
 :func:`~lightning_drafts.eagle3.export_check.validate_eagle3_export` before it lands in the output directory.

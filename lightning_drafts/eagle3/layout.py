@@ -12,9 +12,9 @@ MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 # (SpeculativeConfig.hf_config_override), so the EAGLE-3 class would never be built. The DeepSeek-V2 config
 # names the same MLA fields.
 MLA_MODEL_TYPE = "deepseek_v2"
-# The draft's tensors whose random initialisation is fingerprinted at construction, so the validator can
-# prove the exported ones were trained.
-INIT_CHECKED_TENSORS = ("lm_head.weight",)
+# The draft's tensors whose random initialisation may be fingerprinted at construction, so the validator
+# can prove the exported one was trained: the LM head, or ``fc`` when the head starts as the target's rows.
+INIT_CHECKED_TENSORS = ("lm_head.weight", "fc.weight")
 
 
 def layer_id_fields(target_layer_ids: list[int]) -> dict[str, Any]:

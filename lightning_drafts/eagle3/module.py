@@ -94,6 +94,13 @@ class Eagle3Base(DraftModule):
             step or later (step 0 still computes keys and values everywhere;
             :mod:`lightning_drafts.eagle3.live_slots`): the same loss, gradients and statistics. ``False``
             runs every slot at every step: the reference the tests compare with.
+        lm_head_init: where the draft's LM head starts. ``"random"`` (default): normal with the target's
+            ``initializer_range``, as NeMo Automodel starts it. ``"target"``: the target's own
+            LM head rows for the draft vocabulary (its input embedding when the two are tied), as vLLM's
+            speculators starts it: the draft then only has to reach the target's final hidden space, which
+            takes far fewer training tokens (docs/results/real-model.md).
+        train_lm_head: whether the LM head trains (default ``True``). ``False`` keeps the target's rows
+            frozen (speculators' choice; needs ``lm_head_init: target``).
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
     """
 
@@ -115,9 +122,12 @@ class Eagle3Base(DraftModule):
         lk_kl_decay: float = 3.0,
         draft_biases: bool | None = None,
         ttt_live_slots_only: bool = True,
+        lm_head_init: str = "random",
+        train_lm_head: bool = True,
         **kwargs: Any,
     ) -> None:
         check_bool("ttt_live_slots_only", ttt_live_slots_only)
+        _check_lm_head_options(lm_head_init, train_lm_head)
         check_int("ttt_length", ttt_length, 1, hint="TTT steps per slot")
         if draft_biases is not None and not isinstance(draft_biases, bool):
             raise ValueError(
@@ -154,11 +164,16 @@ class Eagle3Base(DraftModule):
             self.target.text_config, vocab_size, draft_size, draft_biases
         )
         self.draft.copy_embeddings(self.target.input_embeddings.weight)
-        # The export validator proves the LM head moved away from this init (see export_check).
-        self.init_fingerprints = initial_fingerprints(self.draft, INIT_CHECKED_TENSORS)
+        # The export validator proves a randomly initialised tensor moved away from its init (see
+        # export_check): the LM head, or fc when the head starts as the target's rows.
+        checked = INIT_CHECKED_TENSORS[0] if lm_head_init == "random" else INIT_CHECKED_TENSORS[1]
+        self.init_fingerprints = initial_fingerprints(self.draft, (checked,))
+        self.draft.lm_head.weight.requires_grad_(train_lm_head)
         # Saved in checkpoints, so a resumed run never trains against an unset mapping.
         self.register_buffer("vocab_mapping_built", torch.tensor(draft_size == vocab_size))
         self.vocab_mapping: VocabMapping | None = None
+        if draft_size == vocab_size:
+            self._start_lm_head()
         if token_frequencies is not None:
             self.build_vocab_mapping(token_frequencies)
         self.coverage_check = CoverageCheck(draft_size, vocab_size)
@@ -197,6 +212,7 @@ class Eagle3Base(DraftModule):
         counts = load_token_counts(counts, self.target.vocab_size)
         mapping = build_vocab_mapping(counts, self.draft.draft_vocab_size, self._special_token_ids())
         self.draft.set_vocab_mapping(mapping.selected_token_ids)
+        self._start_lm_head()
         self.vocab_mapping_built.fill_(True)
         self.vocab_mapping = mapping
         (rank_zero_warn if mapping.filled else rank_zero_info)(mapping.summary())
@@ -237,6 +253,19 @@ class Eagle3Base(DraftModule):
         warning = self.coverage_check.judge() if self.compresses_vocab else None
         if warning is not None:
             rank_zero_warn(warning)
+
+    def _start_lm_head(self) -> None:
+        """Copy the target's LM-head rows of the draft vocabulary into the draft's (``lm_head_init:
+        target``); called whenever the vocabulary is chosen, as the rows depend on it."""
+        if self.hparams.get("lm_head_init", "random") != "target":
+            return
+        head = self.target.lm_head
+        if head.bias is not None:
+            raise ValueError(
+                "lm_head_init: target copies the target's LM head, but it has a bias the draft's head "
+                "cannot hold; use lm_head_init: random"
+            )
+        self.draft.copy_lm_head(head.weight)
 
     def _special_token_ids(self) -> list[Any]:
         names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -438,6 +467,17 @@ def resolve_target_layer_ids(target_layer_ids: Sequence[int] | None, num_layers:
 def _check_gamma(gamma: Any) -> None:
     if not (is_number(gamma) and math.isfinite(gamma) and gamma > 0):
         raise ValueError(f"loss_decay_gamma must be a finite number > 0 (the default is 0.8), got {gamma!r}")
+
+
+def _check_lm_head_options(init: Any, train: Any) -> None:
+    if init not in ("random", "target"):
+        raise ValueError(f"lm_head_init = {init!r}; write random or target")
+    check_bool("train_lm_head", train)
+    if init == "random" and not train:
+        raise ValueError(
+            "train_lm_head: false with lm_head_init: random would keep a random LM head that predicts "
+            "nothing; set lm_head_init: target (the target's rows, frozen) or train_lm_head: true"
+        )
 
 
 def _check_draft_backend(backend: Any) -> None:

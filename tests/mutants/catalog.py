@@ -402,6 +402,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "served proposals read draft ids as target ids",
     ),
     Mutant(
+        "eagle3-lm-head-starts-from-the-first-target-rows",
+        "lightning_drafts/eagle3/draft_base.py",
+        "rows = weight.index_select(0, self.selected_token_ids.to(weight.device))",
+        "rows = weight[: self.draft_vocab_size]",
+        (
+            "tests/families/eagle3/test_lm_head_init.py::"
+            "test_target_init_copies_the_targets_rows_of_the_draft_vocabulary",
+        ),
+        "a draft LM head started from the target gets the rows of ids 0..V_d-1, not of its vocabulary",
+    ),
+    Mutant(
         "dflash-export-causal",
         "lightning_drafts/dflash/export.py",
         "is_causal=False,",

@@ -187,7 +187,7 @@ def check_trains_in_lightning_trainer(module_class: type[Eagle3Base], target: di
     # Through a datamodule: setup() scans its train loader for the vocabulary mapping.
     module = build(module_class, target, token_frequencies=None)
     assert not bool(module.vocab_mapping_built)
-    trainer = _trainer(tmp_path)
+    trainer = lightning_trainer(tmp_path)
     trainer.fit(module, datamodule=RowsDataModule())
     assert bool(module.vocab_mapping_built) and 0 < module.vocab_mapping.coverage < 1
     metrics = trainer.callback_metrics
@@ -220,15 +220,15 @@ def check_trains_in_lightning_trainer(module_class: type[Eagle3Base], target: di
 
     # Through a plain DataLoader of contract dicts, with the frequencies given up front.
     module = build(module_class, target)
-    _trainer(tmp_path).fit(module, train_dataloaders=DataLoader(ContractRows(), batch_size=2))
+    lightning_trainer(tmp_path).fit(module, train_dataloaders=DataLoader(ContractRows(), batch_size=2))
     # Without frequencies or a datamodule there is nothing to build the mapping from.
     with pytest.raises(ValueError, match="token frequencies"):
-        _trainer(tmp_path).fit(
+        lightning_trainer(tmp_path).fit(
             build(module_class, target, token_frequencies=None), train_dataloaders=DataLoader(ContractRows())
         )
 
 
-def _trainer(tmp_path) -> L.Trainer:
+def lightning_trainer(tmp_path) -> L.Trainer:
     return L.Trainer(
         max_steps=3,
         limit_val_batches=1,
