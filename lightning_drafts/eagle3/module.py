@@ -97,8 +97,8 @@ class Eagle3Base(DraftModule):
         lm_head_init: where the draft's LM head starts. ``"random"`` (default): normal with the target's
             ``initializer_range``, as NeMo Automodel starts it. ``"target"``: the target's own
             LM head rows for the draft vocabulary (its input embedding when the two are tied), as vLLM's
-            speculators starts it: the draft then only has to reach the target's final hidden space, which
-            takes far fewer training tokens (docs/results/real-model.md).
+            speculators starts it: the draft then only has to reach the target's final hidden space
+            (measured against the random start: docs/results/real-model.md).
         train_lm_head: whether the LM head trains (default ``True``). ``False`` keeps the target's rows
             frozen (speculators' choice; needs ``lm_head_init: target``).
         **kwargs: every :class:`~lightning_drafts.training.module.DraftModule` argument (optimiser, target backend...).
