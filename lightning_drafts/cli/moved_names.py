@@ -26,12 +26,13 @@ def refuse_moved_names(args: list[str]) -> None:
         if config is None:
             option = name.removeprefix("--model.init_args.")
             retired = [option] if option != name and option in RETIRED_NAMES else []
-            where, prefix, class_paths = "", "--model.init_args", [value] if value else []
+            source, where, prefix, class_paths = name, "", "--model.init_args", [value] if value else []
         else:
             model = config.get("model") if isinstance(config, dict) else None
             init_args = model.get("init_args") if isinstance(model, dict) else None
             retired = [key for key in (init_args or {}) if key in RETIRED_NAMES]
-            where, prefix, class_paths = (
+            source, where, prefix, class_paths = (
+                value,
                 f"{value}: ",
                 "model.init_args",
                 list(_strings_under_class_path(config)),
@@ -40,7 +41,7 @@ def refuse_moved_names(args: list[str]) -> None:
             package = class_path.split(".", 1)[0]
             if package in MOVED_PACKAGES and "." in class_path:
                 raise ValueError(
-                    f"{value if config is not None else name} names {class_path!r}: the {package} package is now "
+                    f"{source} names {class_path!r}: the {package} package is now "
                     f"lightning_drafts.{package}; write 'lightning_drafts.{class_path}'"
                 )
         if retired:

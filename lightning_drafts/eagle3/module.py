@@ -33,7 +33,6 @@ from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.eagle3.draft_base import Eagle3Draft
 from lightning_drafts.eagle3.export import export_draft
-from lightning_drafts.eagle3.layout import INIT_CHECKED_TENSORS
 from lightning_drafts.eagle3.live_slots import live_slots, ttt_unroll_live
 from lightning_drafts.eagle3.llama_draft import build_llama_draft
 from lightning_drafts.eagle3.mla_draft import build_mla_draft
@@ -166,7 +165,7 @@ class Eagle3Base(DraftModule):
         self.draft.copy_embeddings(self.target.input_embeddings.weight)
         # The export validator proves a randomly initialised tensor moved away from its init (see
         # export_check): the LM head, or fc when the head starts as the target's rows.
-        checked = INIT_CHECKED_TENSORS[0] if lm_head_init == "random" else INIT_CHECKED_TENSORS[1]
+        checked = "lm_head.weight" if lm_head_init == "random" else "fc.weight"
         self.init_fingerprints = initial_fingerprints(self.draft, (checked,))
         self.draft.lm_head.weight.requires_grad_(train_lm_head)
         # Saved in checkpoints, so a resumed run never trains against an unset mapping.
