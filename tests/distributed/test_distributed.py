@@ -13,12 +13,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks.two_process import CLIP  # the trainers' gradient_clip_val
 from tests.support.builders import TINY_TARGETS
 from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.probe_draft import NextTokenProbe
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIP = 0.05  # benchmarks/two_process.py's CLIP, the trainers' gradient_clip_val
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -74,7 +74,7 @@ def test_fsdp2_trains_saves_a_target_free_checkpoint_and_resumes(tmp_path):
             assert torch.equal(torch.tensor(resumed["start"][name]), value), name
 
 
-DRAFTS = ("eagle3", "mla_eagle3", "dflash", "dflash2", "dspark")
+DRAFTS = ("eagle3", "mla_eagle3", "eagle3_frozen_head", "dflash", "dflash2", "dspark")
 
 
 SHARDED = ("fsdp2", "fsdp1")
@@ -85,7 +85,8 @@ def test_fsdp2_and_fsdp1_gradients_and_checkpoints_of_every_draft_equal_ddp(tmp_
     FSDP1 (Lightning's FSDPStrategy, the target's decoder layers its FSDP units, full state dicts): its
     step's gradients, clipped by norm as the recipes clip them, and its saved weights are DDP's (the block
     drafts chunked and differentiated in forward under FSDP2), its validation metrics are DDP's (FSDP2), the
-    checkpoint holds no target weight, and a second step resumes from it."""
+    checkpoint holds no target weight, and a second step resumes from it. EAGLE-3 also trains with its LM
+    head the tied target's rows and frozen: no strategy gives it a gradient or moves it."""
     for strategy in ("ddp", *SHARDED):
         (tmp_path / strategy).mkdir()
         run_script("distributed_grads.py", str(tmp_path / strategy), strategy)
@@ -136,6 +137,11 @@ def check_against_ddp(tmp_path: Path, draft: str, sharded: str) -> None:
     for strategy in ("ddp", sharded):
         resumed = torch.load(tmp_path / strategy / f"{draft}-resumed.ckpt", weights_only=False)
         assert resumed["global_step"] == 2, (draft, strategy)
+        if draft == "eagle3_frozen_head":  # the tied target's rows, frozen: no gradient, unmoved by two steps
+            head = torch.load(tmp_path / strategy / f"{draft}-target-head.pt")
+            assert "draft.lm_head.weight" not in ddp["grads"] | other["grads"]
+            for state in (saved[strategy]["state_dict"], resumed["state_dict"]):
+                assert torch.equal(state["draft.lm_head.weight"], head), (draft, strategy)
         # The resumed fit starts from the saved weights, bit for bit.
         start = torch.load(tmp_path / strategy / f"{draft}-resumed-start.pt")
         assert start.keys() == ddp["grads"].keys(), (draft, strategy)

@@ -4,7 +4,8 @@ Usage: distributed_grads.py OUT_DIR STRATEGY   (STRATEGY = ddp | fsdp2 | fsdp1)
 
 Writes ``OUT_DIR/{draft}.pt`` (the gradients, the weights they were taken at, the optimizer's settings and
 whether the target's layers were sharded), the
-validation metrics (not under FSDP1), the target tensors a save would gather (``{draft}-gathered.json``) and the
+validation metrics (not under FSDP1), the target tensors a save would gather (``{draft}-gathered.json``), the
+target's LM head as built (``{draft}-target-head.pt``) and the
 checkpoint after that step, and the weights a second step resumed from it starts from and its checkpoint. Under FSDP2
 (ModelParallelStrategy: draft layers and root sharded, layers checkpointed, target layers sharded) the
 block drafts also chunk their vocabulary terms (gradients taken inside forward, handed to the weights
@@ -38,11 +39,16 @@ from lightning_drafts.eagle3.module import MLAEagle3Module
 from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, documents
 from tests.support.builders import TINY_TARGETS, packed_row, stack_rows
 
-EAGLE3 = ("eagle3", "mla_eagle3")
+EAGLE3 = ("eagle3", "mla_eagle3", "eagle3_frozen_head")
+TIED_LLAMA = {**TINY_TARGETS["llama"], "tie_word_embeddings": True}
 BLOCK_DRAFT = {"mask_token_id": MASK_TOKEN, "num_draft_layers": 2, "block_size": BLOCK, "num_anchors": 3}
 DRAFTS = {
     "eagle3": lambda chunk: Eagle3Module(TINY_TARGETS["llama"], ttt_length=3),
     "mla_eagle3": lambda chunk: MLAEagle3Module(TINY_TARGETS["deepseek_v3"], ttt_length=3),
+    # The LM head is the tied target's rows and frozen: a parameter without gradient in the draft's units.
+    "eagle3_frozen_head": lambda chunk: Eagle3Module(
+        TIED_LLAMA, ttt_length=3, lm_head_init="target", train_lm_head=False
+    ),
     "dflash": lambda chunk: DFlashModule(TINY_TARGETS["qwen3"], logits_chunk_blocks=chunk, **BLOCK_DRAFT),
     "dflash2": lambda chunk: DFlash2Module(
         TINY_TARGETS["qwen3"], selector_rank=8, selector_top_k=4, logits_chunk_blocks=chunk, **BLOCK_DRAFT
@@ -159,10 +165,12 @@ def step_save_resume(out: Path, draft: str, strategy: str) -> None:
     (``{draft}.ckpt``), then a resumed second step (``{draft}-resumed.ckpt``)."""
     first = trainer(strategy, 1, [SaveGradients(out / f"{draft}.pt")])
     module = build(draft, strategy)
+    target_head = module.target.lm_head.weight.detach().clone()  # before any strategy wraps it
     first.fit(module, loader())
     gathered = target_in_saves(first)
     if first.is_global_zero:
         (out / f"{draft}-gathered.json").write_text(json.dumps(gathered))
+        torch.save(target_head, out / f"{draft}-target-head.pt")
     # FSDPStrategy cannot validate a module a finished fit left wrapped (its root's parameters stay empty
     # shards and Lightning wraps only a module without FSDP units): FSDP1 validates inside fit.
     if strategy != "fsdp1":
