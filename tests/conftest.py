@@ -97,8 +97,29 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
         _SKIPPED.append(report.nodeid or "collection")
 
 
+# --- no run written into the checkout: the configs' relative run directories belong to the user -----------
+# A test that runs a shipped config from the repository's directory would add runs/<name>/version_N there,
+# and the README's runs/eagle3/version_0 would then not be the user's first run. Checked by the controller
+# only (pytest-xdist's workers start after it and end before it).
+_ROOT = Path(__file__).resolve().parents[1]
+_RUN_DIRS = ("runs", "lightning_logs", "exports")
+_RUNS_BEFORE: set[Path] = set()
+_NEW_RUNS: list[str] = []
+
+
+def _runs_in_checkout() -> set[Path]:
+    return {path for name in _RUN_DIRS for pattern in ("*", "*/*") for path in (_ROOT / name).glob(pattern)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        _RUNS_BEFORE.update(_runs_in_checkout())
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _SKIPPED and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        _NEW_RUNS.extend(sorted(str(p.relative_to(_ROOT)) for p in _runs_in_checkout() - _RUNS_BEFORE))
+    if (_SKIPPED or _NEW_RUNS) and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -107,5 +128,11 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(
             f"FAILED: {len(_SKIPPED)} skipped (this suite allows no skip; make each run or fail): "
             + ", ".join(_SKIPPED),
+            red=True,
+        )
+    if _NEW_RUNS:
+        terminalreporter.write_line(
+            f"FAILED: the tests wrote {len(_NEW_RUNS)} run paths into the checkout (write runs under tmp_path, "
+            "or chdir there): " + ", ".join(_NEW_RUNS),
             red=True,
         )

@@ -16,6 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 EAGLE3 = ROOT / "configs" / "quickstart" / "eagle3.yaml"
 
 
+@pytest.fixture(autouse=True)
+def _in_a_scratch_directory(tmp_path, monkeypatch):
+    """The config's relative run directory (``runs/eagle3``) lands in the test's directory: a fit that gets
+    as far as its logger would otherwise add a ``version_N`` to the checkout's runs, and the README's
+    ``runs/eagle3/version_0`` would no longer be the user's own first run."""
+    monkeypatch.chdir(tmp_path)
+
+
 def console(monkeypatch, *args: str) -> None:
     """``lightning-drafts ARGS`` as the console script runs it (LightningCLI reads sys.argv)."""
     monkeypatch.setattr(sys, "argv", ["lightning-drafts", *args])
