@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from lightning_drafts.attention.kv_heads import expand_kv_heads
+from lightning_drafts.attention.kv_heads import expand_kv_heads, query_groups
 from lightning_drafts.attention.tiled import TiledMask, tiled_attention
 
 BACKENDS = ("sdpa", "eager", "flex", "flash")
@@ -175,8 +175,8 @@ def attention_with_lse(
     if isinstance(mask, TiledMask):
         out, lse = tiled_attention(query, key, value, mask, scale, with_lse=True)
         return out, lse
-    key, value = expand_kv_heads(query, key, value)
     if isinstance(mask, Tensor):
+        key, value = expand_kv_heads(query, key, value)
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
@@ -197,8 +197,8 @@ def masked_attention(
         return tiled_attention(query, key, value, mask, scale, with_lse=False)[0]
     if isinstance(mask, Tensor):
         return attention_with_lse(query, key, value, mask, scale)[0]
-    key, value = expand_kv_heads(query, key, value)
-    return flex_attention_for(query.device, kind=mask_kind(mask.mask_mod))(query, key, value, mask, scale)
+    flex = flex_attention_for(query.device, kind=mask_kind(mask.mask_mod))
+    return flex(query, key, value, mask, scale, query_groups(query, key) > 1)
 
 
 def one_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -229,19 +229,29 @@ def flex_attention_for(
 def _flex_with_lse(
     flex: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor, mask: object, scale: float
 ) -> tuple[Tensor, Tensor]:
-    out, lse = flex(query, key, value, mask, scale)
+    out, lse = flex(query, key, value, mask, scale, query_groups(query, key) > 1)
     return out, lse.float()
 
 
-def _flex(query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float) -> Tensor:
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale)
+# Grouped key/value heads go to flex as they are (``enable_gqa``): repeating them out to the query heads
+# first would copy keys and values (and sum their gradients back) for every group.
+def _flex(
+    query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float, enable_gqa: bool = False
+) -> Tensor:
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def _flex_lse(
-    query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float
+    query: Tensor, key: Tensor, value: Tensor, block_mask: object, scale: float, enable_gqa: bool = False
 ) -> tuple[Tensor, Tensor]:
     out, aux = flex_attention(
-        query, key, value, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
+        query,
+        key,
+        value,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True),
     )
     return out, aux.lse
 

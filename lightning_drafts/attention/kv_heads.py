@@ -1,7 +1,7 @@
-"""Grouped-query attention's key and value heads, repeated out to the query heads for the kernels that need
-them equal: the dense reference math and flex. PyTorch's CPU flash kernel does not (query head ``h`` reads
-key and value head ``h // groups`` itself, as transformers' ``repeat_kv`` lays them out), so the CPU paths
-hand it the grouped heads and never make the repeated copy, nor sum its gradient back."""
+"""Grouped-query attention's key and value heads, repeated out to the query heads for the one kernel that
+needs them equal: the dense reference math. PyTorch's CPU flash kernel and flex (``enable_gqa``) do not
+(query head ``h`` reads key and value head ``h // groups`` itself, as transformers' ``repeat_kv`` lays them
+out), so those paths get the grouped heads and never make the repeated copy, nor sum its gradient back."""
 
 from __future__ import annotations
 

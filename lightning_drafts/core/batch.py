@@ -6,7 +6,7 @@ All derivations are tensor ops over ``[B, T]`` / ``[B, D]``; nothing loops over 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -72,22 +72,22 @@ def validate_batch(batch: Mapping[str, Tensor], vocab_size: int | None = None) -
     Missing ``loss_mask`` defaults to ``attention_mask``; missing ``seq_lens`` / ``position_ids`` /
     ``doc_remaining`` are derived as one document per row. Every violation raises ``ValueError``
     naming the key and the offending value.
+
+    The checks of the values run on the batch's device and are read back together, twice (before and
+    after the document layout they guard): on CUDA each read waits for the device, so a valid batch costs
+    two waits however many checks there are.
     """
     input_ids = _require_token_tensor(batch, "input_ids", shape=None)
     shape = tuple(input_ids.shape)
+    checks = _Checks()
     attention_mask = _flag(
-        batch, "attention_mask", shape, default=torch.ones_like(input_ids, dtype=torch.bool)
+        batch, "attention_mask", shape, torch.ones_like(input_ids, dtype=torch.bool), checks
     )
-    loss_mask = _flag(batch, "loss_mask", shape, default=attention_mask)
-    _check_right_padded(attention_mask)
-    _check_vocabulary(input_ids, vocab_size)
+    loss_mask = _flag(batch, "loss_mask", shape, attention_mask, checks)
+    _check_right_padded(attention_mask, checks)
+    _check_vocabulary(input_ids, vocab_size, checks)
     on_padding = loss_mask & ~attention_mask
-    if on_padding.any():
-        b, t = on_padding.nonzero()[0].tolist()
-        raise ValueError(
-            f"loss_mask is set on padding (first at row {b}, position {t}, where attention_mask is 0); "
-            "supervise only real tokens"
-        )
+    checks.add(on_padding, lambda: _on_padding_error(on_padding))
 
     seq_lens = batch.get("seq_lens")
     position_ids = batch.get("position_ids")
@@ -100,26 +100,23 @@ def validate_batch(batch: Mapping[str, Tensor], vocab_size: int | None = None) -
                 "position_ids that restart at 0 (a global arange would give every later document "
                 "a wrong RoPE phase)"
             )
-        seq_lens = _check_seq_lens(seq_lens, shape)
+        seq_lens = _check_seq_lens(seq_lens, shape, checks)
+    checks.read()
     doc_ids, doc_start = document_layout(seq_lens, shape[1])
     expected_positions = torch.arange(shape[1], device=input_ids.device) - doc_start
     if position_ids is None:
         position_ids = expected_positions
     else:
         position_ids = _require_token_tensor(batch, "position_ids", shape)
-        _check_positions(position_ids, expected_positions, attention_mask)
+        _check_positions(position_ids, expected_positions, attention_mask, checks)
 
-    remaining = doc_remaining(doc_ids, doc_start, attention_mask)
+    remaining = doc_remaining(doc_ids, doc_start, attention_mask, seq_lens.shape[1])
     given_remaining = batch.get("doc_remaining")
     if given_remaining is not None:
         given_remaining = _require_token_tensor(batch, "doc_remaining", shape)
         mismatch = given_remaining != remaining
-        if mismatch.any():
-            b, t = mismatch.nonzero()[0].tolist()
-            raise ValueError(
-                f"doc_remaining[{b}, {t}] = {int(given_remaining[b, t])} but seq_lens and attention_mask "
-                f"give {int(remaining[b, t])} real tokens after that position in its document"
-            )
+        checks.add(mismatch, lambda: _remaining_error(mismatch, given_remaining, remaining))
+    checks.read()
     return PackedBatch(
         input_ids=input_ids.long(),
         attention_mask=attention_mask,
@@ -130,6 +127,48 @@ def validate_batch(batch: Mapping[str, Tensor], vocab_size: int | None = None) -
         doc_ids=doc_ids,
         doc_start=doc_start,
         target_features=read_target_features(batch, shape),
+    )
+
+
+class _Checks:
+    """Violations found on the device, read back together: each is a bool tensor (any element set is a
+    violation) and the function that raises its message (which may read the device again: it runs only for
+    a batch that is wrong)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Tensor, Callable[[], None]]] = []
+
+    def add(self, bad: Tensor, report: Callable[[], None]) -> None:
+        self._pending.append((bad.any(), report))
+
+    def read(self) -> None:
+        """Raise the first violation found, in the order the checks were added."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        found = torch.stack([bad for bad, _ in pending]).tolist()
+        for flagged, (_, report) in zip(found, pending, strict=True):
+            if flagged:
+                report()
+
+
+def _first(bad: Tensor) -> list[int]:
+    return bad.nonzero()[0].tolist()
+
+
+def _on_padding_error(on_padding: Tensor) -> None:
+    b, t = _first(on_padding)
+    raise ValueError(
+        f"loss_mask is set on padding (first at row {b}, position {t}, where attention_mask is 0); "
+        "supervise only real tokens"
+    )
+
+
+def _remaining_error(mismatch: Tensor, given: Tensor, remaining: Tensor) -> None:
+    b, t = _first(mismatch)
+    raise ValueError(
+        f"doc_remaining[{b}, {t}] = {int(given[b, t])} but seq_lens and attention_mask "
+        f"give {int(remaining[b, t])} real tokens after that position in its document"
     )
 
 
@@ -146,11 +185,10 @@ def document_layout(seq_lens: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return doc_ids, doc_start
 
 
-def doc_remaining(doc_ids: Tensor, doc_start: Tensor, attention_mask: Tensor) -> Tensor:
-    """Real tokens strictly after each position inside its own document (0 on padding)."""
-    real_per_doc = torch.zeros(
-        doc_ids.shape[0], int(doc_ids.max()) + 1, dtype=torch.long, device=doc_ids.device
-    )
+def doc_remaining(doc_ids: Tensor, doc_start: Tensor, attention_mask: Tensor, num_documents: int) -> Tensor:
+    """Real tokens strictly after each position inside its own document (0 on padding); ``doc_ids`` index
+    ``num_documents`` entries per row (``seq_lens``' width: sized by it, not by a read of the largest id)."""
+    real_per_doc = torch.zeros(doc_ids.shape[0], num_documents, dtype=torch.long, device=doc_ids.device)
     real_per_doc.scatter_add_(1, doc_ids, attention_mask.long())
     last_real = doc_start + real_per_doc.gather(1, doc_ids) - 1
     positions = torch.arange(doc_ids.shape[1], device=doc_ids.device)
@@ -187,7 +225,9 @@ def _require_token_tensor(batch: Mapping[str, Tensor], key: str, shape: tuple[in
     return value
 
 
-def _flag(batch: Mapping[str, Tensor], key: str, shape: tuple[int, ...], default: Tensor) -> Tensor:
+def _flag(
+    batch: Mapping[str, Tensor], key: str, shape: tuple[int, ...], default: Tensor, checks: _Checks
+) -> Tensor:
     if batch.get(key) is None:
         return default
     value = _require_token_tensor(batch, key, shape)
@@ -195,61 +235,81 @@ def _flag(batch: Mapping[str, Tensor], key: str, shape: tuple[int, ...], default
         raise ValueError(f"batch[{key!r}] must be bool or integer 0/1, got dtype {value.dtype}")
     if value.dtype != torch.bool:
         bad = (value != 0) & (value != 1)
-        if bad.any():
-            b, t = bad.nonzero()[0].tolist()
+
+        def report() -> None:
+            b, t = _first(bad)
             raise ValueError(f"batch[{key!r}][{b}, {t}] = {int(value[b, t])}; only 0 and 1 are allowed")
+
+        checks.add(bad, report)
     return value.bool()
 
 
-def _check_right_padded(attention_mask: Tensor) -> None:
-    if not attention_mask.any():
+def _check_right_padded(attention_mask: Tensor, checks: _Checks) -> None:
+    def empty() -> None:
         raise ValueError("the batch is empty: attention_mask has no real token")
+
     reopened = attention_mask[:, 1:] & ~attention_mask[:, :-1]
-    if reopened.any():
-        b, t = reopened.nonzero()[0].tolist()
+
+    def report() -> None:
+        b, t = _first(reopened)
         raise ValueError(
             f"attention_mask row {b} has a real token at position {t + 1} after padding; padding must be "
             "trailing (pack documents back to back and pad only the end of the row)"
         )
 
+    checks.add(~attention_mask.any(), empty)
+    checks.add(reopened, report)
 
-def _check_vocabulary(input_ids: Tensor, vocab_size: int | None) -> None:
+
+def _check_vocabulary(input_ids: Tensor, vocab_size: int | None, checks: _Checks) -> None:
     if vocab_size is None:
         return
     outside = (input_ids < 0) | (input_ids >= vocab_size)
-    if outside.any():
-        b, t = outside.nonzero()[0].tolist()
+
+    def report() -> None:
+        b, t = _first(outside)
         raise ValueError(
             f"input_ids[{b}, {t}] = {int(input_ids[b, t])} is outside the target vocabulary [0, {vocab_size}); "
             "check that the tokenizer matches the target"
         )
 
+    checks.add(outside, report)
 
-def _check_seq_lens(seq_lens: Tensor, shape: tuple[int, ...]) -> Tensor:
+
+def _check_seq_lens(seq_lens: Tensor, shape: tuple[int, ...], checks: _Checks) -> Tensor:
     if not isinstance(seq_lens, Tensor) or seq_lens.dim() != 2 or seq_lens.shape[0] != shape[0]:
         got = tuple(seq_lens.shape) if isinstance(seq_lens, Tensor) else type(seq_lens).__name__
         raise ValueError(f"batch['seq_lens'] must be [B, D] = [{shape[0]}, D], got {got}")
     if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
         raise ValueError(f"batch['seq_lens'] must hold integers, got dtype {seq_lens.dtype}")
-    if (seq_lens < 0).any():
+
+    def negative() -> None:
         raise ValueError(f"batch['seq_lens'] has a negative length: {seq_lens.tolist()}")
+
     sums = seq_lens.sum(dim=1)
-    wrong = (sums != shape[1]).nonzero()
-    if wrong.numel():
-        b = int(wrong[0])
+    wrong = sums != shape[1]
+
+    def report() -> None:
+        b = int(wrong.nonzero()[0])
         raise ValueError(
             f"batch['seq_lens'] row {b} = {seq_lens[b].tolist()} sums to {int(sums[b])}, not the row width "
             f"T = {shape[1]}; fold trailing padding into the row's last document"
         )
+
+    checks.add(seq_lens < 0, negative)
+    checks.add(wrong, report)
     return seq_lens
 
 
-def _check_positions(position_ids: Tensor, expected: Tensor, attention_mask: Tensor) -> None:
+def _check_positions(position_ids: Tensor, expected: Tensor, attention_mask: Tensor, checks: _Checks) -> None:
     wrong = (position_ids != expected) & attention_mask
-    if wrong.any():
-        b, t = wrong.nonzero()[0].tolist()
+
+    def report() -> None:
+        b, t = _first(wrong)
         raise ValueError(
             f"position_ids[{b}, {t}] = {int(position_ids[b, t])} but seq_lens puts that token at offset "
             f"{int(expected[b, t])} of its document; position_ids must restart at 0 where seq_lens starts "
             "a document (pass seq_lens for packed rows)"
         )
+
+    checks.add(wrong, report)

@@ -26,11 +26,21 @@ class ChainPositions:
     index: Tensor | None
 
     @classmethod
-    def of(cls, valid: Tensor, supervised_only: bool) -> ChainPositions:
-        """The supervised positions of bool ``valid [m, D]`` (every position when not ``supervised_only``)."""
+    def of(cls, valid: Tensor, supervised_only: bool, count: int | None = None) -> ChainPositions:
+        """The supervised positions of bool ``valid [m, D]`` (every position when not ``supervised_only``).
+
+        ``count``, their number when the caller knows it (:func:`supervised_per_chain` read once for every
+        chunk of a step), sizes the index without reading ``valid`` back: on CUDA, ``nonzero`` waits for the
+        device to learn its output's size, once per logits chunk otherwise."""
         if valid.dim() != 2:
             raise ValueError(f"valid must be [m, D] chains, got shape {tuple(valid.shape)}")
-        index = valid.reshape(-1).nonzero().squeeze(1) if supervised_only else None
+        flat = valid.reshape(-1)
+        if not supervised_only:
+            index = None
+        elif count is None:
+            index = flat.nonzero().squeeze(1)
+        else:
+            index = torch.nonzero_static(flat, size=count).squeeze(1)
         return cls((int(valid.shape[0]), int(valid.shape[1])), index)
 
     @property
@@ -61,3 +71,10 @@ class ChainPositions:
             (self.shape[0] * self.shape[1], *trailing), fill, dtype=values.dtype, device=values.device
         )
         return full.index_copy(0, self.index, values).view(*self.shape, *trailing)
+
+
+def supervised_per_chain(valid: Tensor) -> Tensor:
+    """The supervised positions of each chain of bool ``valid [m, D]``, on the host: one read of the device
+    for a whole step, after which each chunk's count (``int(counts[start:stop].sum())``) is host arithmetic
+    (the chunks of :func:`~lightning_drafts.core.chunked_terms.over_chunks` slice it with the chains)."""
+    return valid.sum(dim=1).cpu()

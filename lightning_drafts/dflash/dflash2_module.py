@@ -109,6 +109,7 @@ class DFlash2Module(DFlashModule):
             targets.valid,
             base,
             predecessors,
+            self._chain_counts(targets.valid),
             differentiable=terms + 1,
         )
         sums = tuple(outputs[:terms])
@@ -137,9 +138,15 @@ class DFlash2Module(DFlashModule):
         )
 
     def _chunk_terms(
-        self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor, predecessors: Tensor
+        self,
+        states: Tensor,
+        labels: Tensor,
+        valid: Tensor,
+        base: Tensor,
+        predecessors: Tensor,
+        counts: Tensor,
     ) -> tuple[Tensor, ...]:
-        positions = self._positions(valid)
+        positions = self._positions(valid, counts)
         kept_states, kept_labels = positions.gather(states), positions.gather(labels)
         logits = self._logits(kept_states)
         nll, predicted = nll_and_argmax(logits, kept_labels, self._single_nll_backward)

@@ -37,7 +37,7 @@ from lightning_drafts.blockdraft.objective import (
 )
 from lightning_drafts.core.acceptance import skip_holes_accept_sums
 from lightning_drafts.core.batch import PackedBatch
-from lightning_drafts.core.chain_positions import ChainPositions
+from lightning_drafts.core.chain_positions import ChainPositions, supervised_per_chain
 from lightning_drafts.core.checks import check_bool, check_int
 from lightning_drafts.core.chunked_terms import over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
@@ -228,9 +228,16 @@ class DFlashModule(DraftModule):
         selector reads the logits only detached), so one backward runs through it."""
         return self.objective.num_terms == 1
 
-    def _positions(self, valid: Tensor) -> ChainPositions:
-        """The chain positions whose vocabulary terms are computed (all unless ``block_valid_only``)."""
-        return ChainPositions.of(valid, self.hparams.block_valid_only)
+    def _positions(self, valid: Tensor, counts: Tensor) -> ChainPositions:
+        """The chain positions whose vocabulary terms are computed (all unless ``block_valid_only``) in a
+        chunk of chains, and ``counts`` its slice of :meth:`_chain_counts`."""
+        supervised_only = self.hparams.block_valid_only
+        return ChainPositions.of(valid, supervised_only, int(counts.sum()) if supervised_only else None)
+
+    def _chain_counts(self, valid: Tensor) -> Tensor:
+        """Per chain, what :meth:`_positions` reads to size a chunk's index: the supervised positions on
+        the host (one read of the device for every chunk) when only those are computed, else unread."""
+        return supervised_per_chain(valid) if self.hparams.block_valid_only else valid[:, 0]
 
     def _known_slots(self, layout: BlockLayout, anchors: Tensor, prefix_lengths: Tensor | None) -> Tensor:
         """How many leading slots of each block hold real tokens: 1 (the anchor), or the variable prefix."""
@@ -301,6 +308,7 @@ class DFlashModule(DraftModule):
             targets.labels,
             targets.valid,
             base,
+            self._chain_counts(targets.valid),
             differentiable=self.objective.num_terms,
         )
         correct = (predicted == targets.labels) & targets.valid
@@ -311,8 +319,10 @@ class DFlashModule(DraftModule):
             sums={"accept_len_skip_holes": skip_holes_accept_sums(correct, targets.valid)},
         )
 
-    def _chunk_terms(self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor) -> tuple[Tensor, ...]:
-        positions = self._positions(valid)
+    def _chunk_terms(
+        self, states: Tensor, labels: Tensor, valid: Tensor, base: Tensor, counts: Tensor
+    ) -> tuple[Tensor, ...]:
+        positions = self._positions(valid, counts)
         logits = self._logits(positions.gather(states))
         nll, predicted = nll_and_argmax(
             logits, positions.gather(labels), self._single_nll_backward, consume=True

@@ -12,6 +12,10 @@ two heads on top. State-dict keys have no prefix and match NeMo's ``Qwen3DSparkM
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import skip_init
 from transformers import Qwen3Config
@@ -61,6 +65,23 @@ class DSparkDraft(BlockDraft):
             ConfidenceHead(hidden + (markov_rank if with_markov else 0), std) if confidence_head else None
         )
         self.confidence_with_markov = with_markov
+        self._cast_head: Tensor | None = None
+
+    @contextmanager
+    def head_cast_once(self) -> Iterator[None]:
+        """Inside: a frozen LM head is cast to the autocast dtype once, and every :meth:`vocabulary_logits`
+        call (one per logits chunk) reads that copy. Autocast caches the casts of trainable weights only,
+        so it would otherwise cast the ``[V, H]`` head again at every chunk (Qwen3-4B: 389M values)."""
+        weight = self.lm_head.weight
+        device = weight.device.type
+        if weight.requires_grad or not torch.is_autocast_enabled(device):
+            yield
+            return
+        self._cast_head = weight.to(torch.get_autocast_dtype(device))
+        try:
+            yield
+        finally:
+            self._cast_head = None
 
     def copy_target_weights(self, embedding: Tensor, lm_head: Tensor, freeze: bool = True) -> None:
         """Copy the target's input embedding and LM head (``[V, H]`` each); ``freeze`` keeps them fixed."""
@@ -118,13 +139,18 @@ class DSparkDraft(BlockDraft):
         return latents, confidence
 
     def vocabulary_logits(
-        self, hidden: Tensor, latents: Tensor | None, previous: Tensor | None = None
+        self,
+        hidden: Tensor,
+        latents: Tensor | None,
+        previous: Tensor | None = None,
+        distinct_previous: int | None = None,
     ) -> Tensor:
         """Markov-corrected logits ``[..., V]`` (model dtype) of slot states ``hidden [..., H]`` and their
         Markov latents ``[..., r]`` (:meth:`slot_heads`), each position on its own; ``previous`` (the tokens
         the latents come from) lets a vanilla head project each distinct token's bias once
-        (:meth:`MarkovHead.add_bias`)."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        (:meth:`MarkovHead.add_bias`; ``distinct_previous``, their number of distinct tokens when known)."""
+        weight = self._cast_head if self._cast_head is not None else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight)
         if latents is None:
             return logits
-        return self.markov_head.add_bias(logits, latents, previous)
+        return self.markov_head.add_bias(logits, latents, previous, distinct_previous)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_drafts.core.checks import check_int
 from lightning_drafts.core.row_blocks import add_gathered_rows
+from lightning_drafts.core.sized_unique import sorted_unique
 from lightning_drafts.dspark.rules import MARKOV_HEAD_TYPE
 
 
@@ -75,7 +76,9 @@ class MarkovHead(nn.Module):
         """The ``[..., V]`` logit bias of latents ``[..., r]`` (:meth:`latents`)."""
         return self.markov_w2(latents)
 
-    def add_bias(self, logits: Tensor, latents: Tensor, previous: Tensor | None = None) -> Tensor:
+    def add_bias(
+        self, logits: Tensor, latents: Tensor, previous: Tensor | None = None, distinct: int | None = None
+    ) -> Tensor:
         """``logits + bias(latents)`` (``[..., V]``, in the logits' dtype), written into ``logits`` itself: pass
         logits nothing else reads (a projection's fresh output).
 
@@ -85,11 +88,16 @@ class MarkovHead(nn.Module):
         (:func:`~lightning_drafts.core.row_blocks.add_gathered_rows`; the benchmark's packed DSpark step: 2,183
         supervised slots in two chunks, after 542 distinct tokens; the rank-r product over the vocabulary is
         the head's whole cost). Otherwise flat ``[n, V]`` logits of the head's dtype take one fused
-        product-and-add, so no ``[n, V]`` bias or copy is made and swept."""
+        product-and-add, so no ``[n, V]`` bias or copy is made and swept. ``distinct``: how many distinct
+        tokens ``previous`` holds, when the caller knows it (the unique then needs no read of the device)."""
         weight = self.markov_w2.weight
         if previous is not None and self.head_type == "vanilla":
-            distinct, inverse = torch.unique(previous.reshape(-1), return_inverse=True)
-            rows = self.bias(self.embed(distinct).to(weight.dtype))
+            tokens = previous.reshape(-1)
+            if distinct is None:
+                values, inverse = torch.unique(tokens, return_inverse=True)
+            else:
+                values, inverse = sorted_unique(tokens, distinct)
+            rows = self.bias(self.embed(values).to(weight.dtype))
             # The slots' gradients sum into a row in the head's dtype, not in bf16 logits'.
             return add_gathered_rows(logits, rows, inverse)
         if logits.dim() == 2 and logits.dtype == latents.dtype == weight.dtype:

@@ -30,9 +30,10 @@ from lightning_drafts.blockdraft.draft import draft_config
 from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.core.chain_positions import ChainPositions
 from lightning_drafts.core.checks import check_bool, check_int, is_number
-from lightning_drafts.core.chunked_terms import over_chunks
+from lightning_drafts.core.chunked_terms import chunk_bounds, over_chunks
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.core.ratio_metric import Sums, ratio
+from lightning_drafts.core.sized_unique import first_seen_per_chain, sorted_unique
 from lightning_drafts.core.target_features import FeatureRequest
 from lightning_drafts.dspark.context_features import (
     check_target_layer_ids,
@@ -225,7 +226,7 @@ class DSparkModule(DraftModule):
         )
         # Overlapping blocks share teacher positions: the flat row position names each one.
         teacher_keys = layout.rows[:, None] * layout.width + supervision.teacher_positions
-        return self._objective(hidden, supervision, teacher_hidden, teacher_keys)
+        return self._objective(hidden, supervision, teacher_hidden, teacher_keys, packed.input_ids.numel())
 
     def feature_request(self) -> FeatureRequest:
         """The decoder layers among the feature ids at every token; the final-norm state where a slot's
@@ -259,16 +260,33 @@ class DSparkModule(DraftModule):
         )
 
     def _objective(
-        self, hidden: Tensor, supervision: BlockSupervision, teacher_hidden: Tensor, teacher_keys: Tensor
+        self,
+        hidden: Tensor,
+        supervision: BlockSupervision,
+        teacher_hidden: Tensor,
+        teacher_keys: Tensor,
+        key_span: int,
     ) -> DraftOutput:
         valid = supervision.valid
         weights = decay_weights(self.block_size, self.loss_decay_gamma, valid.device) * valid
-        numerator, ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = over_chunks(
-            self._chunk_terms,
-            self.logits_chunk_blocks,
-            (hidden, supervision.previous, supervision.labels, valid, weights, teacher_hidden, teacher_keys),
-            self.draft.head_parameters(),
-        )
+        sizes = self._chunk_sizes(supervision, teacher_keys, key_span)
+        with self.draft.head_cast_once():
+            chunked = over_chunks(
+                self._chunk_terms,
+                self.logits_chunk_blocks,
+                (
+                    hidden,
+                    supervision.previous,
+                    supervision.labels,
+                    valid,
+                    weights,
+                    teacher_hidden,
+                    teacher_keys,
+                    sizes,
+                ),
+                self.draft.head_parameters(),
+            )
+        numerator, ce_sum, tv_sum, conf_sum, predicted, alpha, confidence = chunked
         weight_sum = weights.sum()
         loss = normalise(numerator, weight_sum)
         sums = acceptance_sums(alpha, valid)
@@ -280,6 +298,24 @@ class DSparkModule(DraftModule):
         }
         return self._output(loss, (predicted == supervision.labels) & valid, valid, sums, local, len(hidden))
 
+    def _chunk_sizes(self, supervision: BlockSupervision, teacher_keys: Tensor, key_span: int) -> Tensor:
+        """Per chain ``[M, 3]``, on the host: its kept positions (the supervised ones under
+        ``block_valid_only``, else all) and the teacher positions and previous tokens first seen in its logits
+        chunk there. A chunk's sums size its index of kept positions and its two unique sets, so the chunks
+        never read the device: the step reads it once, here."""
+        valid = supervision.valid
+        kept = valid if self.hparams.block_valid_only else torch.ones_like(valid)
+        bounds = chunk_bounds(len(valid), self.logits_chunk_blocks or len(valid))
+        sizes = torch.stack(
+            [
+                kept.sum(1),
+                first_seen_per_chain(teacher_keys, kept, bounds, key_span),
+                first_seen_per_chain(supervision.previous, kept, bounds, self.target.vocab_size),
+            ],
+            dim=1,
+        )
+        return sizes.cpu()
+
     def _chunk_terms(
         self,
         hidden: Tensor,
@@ -289,18 +325,22 @@ class DSparkModule(DraftModule):
         weights: Tensor,
         teacher_hidden: Tensor,
         teacher_keys: Tensor,
+        sizes: Tensor,
     ) -> tuple[Tensor, ...]:
+        kept, distinct_keys, distinct_previous = sizes.sum(0).tolist()  # host arithmetic (see _chunk_sizes)
         # Validity, not the weight: a supervised slot whose decay underflows to 0 still counts in alpha's sums.
-        positions = ChainPositions.of(valid, self.hparams.block_valid_only)
+        supervised_only = self.hparams.block_valid_only
+        positions = ChainPositions.of(valid, supervised_only, kept if supervised_only else None)
         latents, confidence = self.draft.slot_heads(hidden, previous)
         logits = self.draft.vocabulary_logits(
             positions.gather(hidden),
             None if latents is None else positions.gather(latents),
             positions.gather(previous),
+            distinct_previous,
         )
         # Each distinct teacher position once: its logits and softmax are the same for every slot reading it.
         keys = positions.gather(teacher_keys)
-        distinct, teacher_index = torch.unique(keys, return_inverse=True)
+        distinct, teacher_index = sorted_unique(keys, distinct_keys)
         first = torch.full_like(distinct, keys.numel()).scatter_reduce_(
             0, teacher_index, torch.arange(keys.numel(), device=keys.device), "amin"
         )

@@ -40,7 +40,11 @@ def shard_fsdp2(
         for layer in repeated_layers(root):
             fully_shard(layer, mesh=data_parallel)
         if any(p.requires_grad for p in root.parameters()):
-            fully_shard(root, mesh=data_parallel)
+            # Frozen copies (EAGLE-3's and DSpark's input embedding, a frozen LM head) stay whole on every
+            # rank, outside the root's group: in it, each micro-batch would all-gather them in float32
+            # (Llama-3.1-8B's embedding: 2.1 GB per rank) for weights that never change.
+            frozen = {p for p in root.parameters() if not p.requires_grad}
+            fully_shard(root, mesh=data_parallel, ignored_params=frozen or None)
             # FSDP2 unshards a root's weights when its `forward` runs and keeps them until backward,
             # so methods called after it (heads, TTT steps) see whole weights. A draft whose step
             # starts with another method (EAGLE-3) names it. Registering every TTT method instead

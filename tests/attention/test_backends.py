@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.overrides import TorchFunctionMode
 
 from lightning_drafts.attention import backends
 from lightning_drafts.attention.backends import (
@@ -11,6 +13,7 @@ from lightning_drafts.attention.backends import (
     block_causal_mask,
     dense_mask_from_mask_mod,
     document_causal_mask_mod,
+    masked_attention,
     resolve_backend,
 )
 from lightning_drafts.core.batch import validate_batch
@@ -65,6 +68,42 @@ def test_attention_with_lse_matches_sdpa_and_never_returns_nan():
     assert torch.isfinite(out).all()
     assert torch.equal(out[0, :, 4], torch.zeros_like(out[0, :, 4]))
     assert torch.isneginf(lse[0, :, 4]).all()
+
+
+class _RepeatCount(TorchFunctionMode):
+    """Counts the calls that copy key/value heads out to the query heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repeats = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("repeat_interleave", "repeat", "expand"):
+            self.repeats += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_flex_takes_grouped_key_value_heads_without_repeating_them():
+    """6 query heads over 2 key/value heads: flex (the GPU drafts' kernel, eager here) reads them grouped, and
+    its output and log-sum-exp equal SDPA's over keys and values repeated out to the query heads."""
+    gen = torch.Generator().manual_seed(0)
+    doc_ids = packed_example().doc_ids
+    batch, width = doc_ids.shape
+    q = torch.randn(batch, 6, width, 16, generator=gen)
+    k, v = (torch.randn(batch, 2, width, 16, generator=gen) for _ in range(2))
+    block_mask = create_block_mask(document_causal_mask_mod(doc_ids), batch, None, width, width, device="cpu")
+    dense = block_causal_mask(doc_ids)
+    counter = _RepeatCount()
+    with counter:
+        out = masked_attention(q, k, v, block_mask, scale=0.25)
+        out_lse, lse = attention_with_lse(q, k, v, block_mask, scale=0.25)
+    assert counter.repeats == 0
+    k6, v6 = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k6, v6, attn_mask=dense, scale=0.25)
+    torch.testing.assert_close(out, reference)
+    torch.testing.assert_close(out_lse, reference)
+    scores = (q @ k6.transpose(-1, -2) * 0.25).masked_fill(~dense, float("-inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
 
 
 def test_auto_backend_is_sdpa_on_cpu():

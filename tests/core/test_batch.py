@@ -43,6 +43,19 @@ def test_zero_length_entries_never_split_a_document():
     assert packed.doc_remaining.tolist() == [[2, 1, 0, 1, 0, 0, 0, 0], [6, 5, 4, 3, 2, 1, 0, 0]]
 
 
+def test_leading_zero_length_entries_give_document_ids_beyond_the_row_width():
+    """Five empty entries before a 3-token document: its id is 5, past the row's 3 tokens."""
+    packed = validate_batch(
+        {
+            "input_ids": torch.tensor([[5, 6, 7]]),
+            "seq_lens": torch.tensor([[0, 0, 0, 0, 0, 3]]),
+            "position_ids": torch.tensor([[0, 1, 2]]),
+        }
+    )
+    assert packed.doc_ids.tolist() == [[5, 5, 5]]
+    assert packed.doc_remaining.tolist() == [[2, 1, 0]]
+
+
 def test_varlen_layout_flattens_real_tokens_per_document():
     layout = varlen_layout(validate_batch(nemo_example()))
     assert layout.cu_seqlens.tolist() == [0, 3, 5, 12]

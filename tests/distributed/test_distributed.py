@@ -102,6 +102,12 @@ def check_against_ddp(tmp_path: Path, draft: str, sharded: str) -> None:
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in step["grads"].values()]))
         assert norm == pytest.approx(CLIP, rel=1e-4), (draft, sharded, float(norm))
     assert other["target_sharded"] and not ddp["target_sharded"], draft
+    # Under FSDP2 the draft's frozen copies (embedding, a frozen LM head) stay whole, out of its groups.
+    assert other["frozen_draft_parameters"] == ddp["frozen_draft_parameters"], draft
+    # Every EAGLE-3 draft keeps its embedding frozen (this test's DSpark trains its copies).
+    assert bool(other["frozen_draft_parameters"]) == (draft in ("eagle3", "mla_eagle3", "eagle3_frozen_head"))
+    if sharded == "fsdp2":
+        assert other["frozen_draft_parameters_sharded"] == [], draft
     assert set(other["grads"]) == set(ddp["grads"]), draft
     for name, grad in ddp["grads"].items():
         assert grad.abs().max() > 0, f"{draft} {name} has no gradient"

@@ -39,8 +39,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dspark-markov-previous-is-the-label",
         "lightning_drafts/dspark/module.py",
-        "(hidden, supervision.previous, supervision.labels, valid, weights, teacher_hidden, teacher_keys),",
-        "(hidden, supervision.labels, supervision.labels, valid, weights, teacher_hidden, teacher_keys),",
+        "supervision.previous,",
+        "supervision.labels,",
         ("tests/families/dspark/test_markov_previous.py",),
         "the Markov head sees the answer in training and cheats",
     ),

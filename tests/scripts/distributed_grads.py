@@ -80,6 +80,10 @@ class SaveGradients(L.Callback):
         grads = full_parameters(trainer, module, grads=True)
         layer = module.target.decoder_layers[0]
         sharded = isinstance(layer, FSDP) or isinstance(next(layer.parameters()), DTensor)
+        frozen = [
+            n for n, p in module.named_parameters() if not p.requires_grad and not n.startswith("target.")
+        ]
+        frozen_sharded = [n for n, p in module.named_parameters() if n in frozen and isinstance(p, DTensor)]
         if trainer.is_global_zero:
             torch.save(
                 {
@@ -87,6 +91,8 @@ class SaveGradients(L.Callback):
                     "weights_before": {n: self.weights[n] for n in grads},
                     "adamw": self.adamw,
                     "target_sharded": sharded,
+                    "frozen_draft_parameters": frozen,
+                    "frozen_draft_parameters_sharded": frozen_sharded,
                 },
                 self.out,
             )

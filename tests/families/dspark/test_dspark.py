@@ -9,6 +9,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_drafts import DSparkModule
 from lightning_drafts.attention.block_masks import block_layout
@@ -629,3 +630,43 @@ def test_trains_a_few_steps_in_a_lightning_trainer():
     assert torch.isfinite(metrics["train/loss"]) and 1.0 <= float(metrics["val/tau"]) <= BLOCK + 1
     changed = [k for k, v in module.draft.state_dict().items() if not torch.equal(before[k], v)]
     assert changed and not any(k in ("embed_tokens.weight", "lm_head.weight") for k in changed)
+
+
+class _HeadCasts(TorchDispatchMode):
+    """Counts the copies made of one weight (a dtype cast is a ``_to_copy`` of it)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.pointer, self.casts = weight.data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == self.pointer:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_frozen_head_is_cast_once_per_step_under_autocast_and_gives_autocast_s_logits():
+    """Autocast caches casts of trainable weights only: a frozen ``[V, H]`` head would be cast at every
+    logits chunk. The step casts it once, and its chunked loss equals the one-piece step's under autocast."""
+    batch, _ = twins(ROWS, width=20)
+    losses = []
+    for chunk in (None, 1):
+        module = make(logits_chunk_blocks=chunk)
+        perturb(module)
+        anchors = fixed_anchors(module, batch, seed=4)
+        casts = _HeadCasts(module.draft.lm_head.weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16), casts:
+            output = module.compute_loss(batch, anchors=anchors)
+        assert output.metrics["blocks"] > 2  # so chunks of one block are several
+        assert casts.casts == 1
+        assert int(output.valid_tokens) < 64
+        losses.append(output.loss)
+        hidden = torch.randn(3, module.draft.lm_head.in_features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with module.draft.head_cast_once():
+                once = module.draft.vocabulary_logits(hidden, None)
+            assert torch.equal(once, module.draft.lm_head(hidden))
+    # The same float32 terms summed chunk by chunk: reordering n of them moves the sum by at most about
+    # n * 2**-24 of it (n: the supervised slots, under 64 here).
+    supervised = 64
+    torch.testing.assert_close(losses[1], losses[0], rtol=supervised * 2**-24, atol=0)
