@@ -106,3 +106,27 @@ def test_the_time_guard_skips_what_would_start_after_the_budget(tmp_path):
         "rope_tables_stay_float32",
     ]
     assert all(c["status"] == "SKIP" and "budget" in c["reason"] for c in report["checks"])
+
+
+def test_the_real_shapes_check_s_memory_plan_counts_at_least_the_weights_it_holds():
+    """Check 9 (CUDA only) records the memory plan's peak beside the measured one: on a CPU, the plan of
+    each of its steps at least holds the Llama-3.1-8B-wide target in bf16 and the draft's float32 weights and
+    gradients, counted here from the target's sizes."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_paths
+
+    config = gpu_paths.REAL_TARGET
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    query, key = (
+        config["num_attention_heads"] * config["head_dim"],
+        config["num_key_value_heads"] * config["head_dim"],
+    )
+    layer = 2 * hidden * query + 2 * hidden * key + 3 * hidden * inter + 2 * hidden
+    target_bytes = 2 * (2 * vocab * hidden + config["num_hidden_layers"] * layer + hidden)
+    # EAGLE-3: fc (3H -> H), one decoder layer with a 2H-wide input, the 32,000-row head, a frozen embedding.
+    eagle3 = 3 * hidden * hidden + layer + hidden * query + 32000 * hidden
+    # DFlash: fc over 2 captured layers, 2 decoder layers.
+    dflash = 2 * hidden * hidden + 2 * layer
+    lengths = [3000, 1500, 2100, 1592]
+    for name, trainable in (("eagle3", eagle3), ("dflash", dflash)):
+        assert gpu_paths.planned_step_bytes(name, lengths) > target_bytes + 2 * 4 * trainable, name

@@ -94,6 +94,7 @@ from lightning_drafts.attention.backends import (  # noqa: E402
 from lightning_drafts.attention.block_masks import resolve_block_backend  # noqa: E402
 from lightning_drafts.core.batch import PackedBatch, validate_batch  # noqa: E402
 from lightning_drafts.training.target import ROPE_TABLES, FrozenTarget  # noqa: E402
+from lightning_drafts.workflows.memory_plan import plan_config  # noqa: E402
 from tests.support.block_draft_cases import BLOCK, MASK_TOKEN, perturb, to_padded, twins  # noqa: E402
 from tests.support.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows  # noqa: E402
 from tests.support.eagle3_checks import frequencies  # noqa: E402
@@ -592,6 +593,42 @@ REAL_TARGET = {
 }
 
 
+# Check 9's drafts, as the memory plan reads them (token frequencies leave the draft's sizes as they are).
+REAL_SHAPES_DRAFTS = {
+    "eagle3": ("lightning_drafts.Eagle3Module", {"ttt_length": 4, "draft_vocab_size": 32000}),
+    "dflash": (
+        "lightning_drafts.DFlashModule",
+        {
+            "mask_token_id": REAL_TARGET["vocab_size"] - 1,
+            "num_draft_layers": 2,
+            "block_size": 16,
+            "num_anchors": 256,
+        },
+    ),
+}
+
+
+def planned_step_bytes(name: str, lengths: list[int]) -> float:
+    """``lightning-drafts plan``'s peak for check 9's step of draft ``name``: one packed row of documents of
+    ``lengths`` tokens, every token supervised, the weights and gradients but no optimizer state (the check
+    takes no optimizer step); for EAGLE-3 the draft vocabulary's share of the labels as its coverage."""
+    class_path, init_args = REAL_SHAPES_DRAFTS[name]
+    config = {"model": {"class_path": class_path, "init_args": {**init_args, "target_dtype": "bfloat16"}}}
+    plan = plan_config(
+        config,
+        REAL_TARGET,
+        devices=1,
+        precision="bf16-mixed",
+        rows=1,
+        width=sum(lengths),
+        document_tokens=sum(lengths) // len(lengths),
+        supervised=1.0,
+        coverage=32000 / REAL_TARGET["vocab_size"],
+        cpu=False,
+    )
+    return plan.peak - plan.memory["AdamW moments (fp32)"]
+
+
 def check_real_shapes_step(run: Run) -> None:
     run.need_cuda("real_shapes_step")
     lengths = [3000, 1500, 2100, 1592]
@@ -636,6 +673,8 @@ def check_real_shapes_step(run: Run) -> None:
             "first_step_s": round(seconds[0], 2),
             "step_s": round(seconds[1], 3),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            # The memory plan's estimate of the same step (docs/guides/memory-plan.md), beside the measure.
+            "planned_peak_gib": round(planned_step_bytes(name, lengths) / 2**30, 2),
             "tokens": sum(lengths),
         }
         del module, output, grads

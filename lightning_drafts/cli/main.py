@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "regenerate": "rewrite a config's answers with its own target (train on what the target writes)",
     "plot": "draw a run's loss, val/accept_len and acceptance-by-position curves into PNG files",
     "convert-gguf": "write a GGUF target as the Hugging Face folder vLLM / SGLang load",
+    "plan": "estimate a config's peak memory per rank, tokens and model FLOPs per step (nothing loaded)",
 }
 # The subcommands with an argparse parser (fit / validate are LightningCLI's): module, its main.
 ARGPARSE_COMMANDS = {
@@ -31,6 +32,7 @@ ARGPARSE_COMMANDS = {
     "regenerate": ("lightning_drafts.cli.regenerate", "regenerate_main"),
     "plot": ("lightning_drafts.cli.plot", "plot_main"),
     "convert-gguf": ("lightning_drafts.cli.convert_gguf", "convert_gguf_main"),
+    "plan": ("lightning_drafts.cli.plan", "plan_main"),
 }
 USAGE = (
     "usage: lightning-drafts {"
