@@ -12,8 +12,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from lightning_drafts.cli.arguments import CommandParser
+
+if TYPE_CHECKING:
+    from lightning_drafts.workflows.memory_plan import Plan
 
 GB = 1e9
 # The options plan_config takes as they are parsed.
@@ -67,7 +71,10 @@ def plan_main(args: list[str]) -> None:
 
     parsed = build_parser().parse_args(args)
     if not 0 < parsed.supervised <= 1 or not 0 < parsed.coverage <= 1:
-        raise ValueError("--supervised and --coverage are shares in (0, 1]")
+        raise ValueError(
+            f"--supervised {parsed.supervised} / --coverage {parsed.coverage}: both are shares in (0, 1]; "
+            "give e.g. --supervised 0.6 --coverage 1"
+        )
     config = read_config(parsed.config)
     target = (config["model"].get("init_args") or {}).get("target")
     plan = plan_config(
@@ -79,7 +86,7 @@ def plan_main(args: list[str]) -> None:
     print(render(plan))
 
 
-def render(plan) -> str:
+def render(plan: Plan) -> str:
     """The plan as the lines ``plan`` prints."""
     s, w = plan.settings, plan.work
     lines = [

@@ -108,6 +108,12 @@ def check_against_ddp(tmp_path: Path, draft: str, sharded: str) -> None:
     assert bool(other["frozen_draft_parameters"]) == (draft in ("eagle3", "mla_eagle3", "eagle3_frozen_head"))
     if sharded == "fsdp2":
         assert other["frozen_draft_parameters_sharded"] == [], draft
+    else:
+        # FSDP1's backward prefetch never all-gathers a target unit (they never run backward): their forward
+        # ran without grad, so none is marked for a pre-backward unshard; the draft's root is.
+        marked = other["units_marked_for_backward"]
+        assert marked["target"] and not any(marked["target"]), (draft, marked)
+        assert marked["root"] == [True], (draft, marked)
     assert set(other["grads"]) == set(ddp["grads"]), draft
     for name, grad in ddp["grads"].items():
         assert grad.abs().max() > 0, f"{draft} {name} has no gradient"

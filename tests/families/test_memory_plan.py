@@ -88,3 +88,15 @@ def test_plan_prints_the_peak_tokens_and_flops(capsys):
     # 4 ranks x 2 rows x 4,096 tokens, one micro-batch per step.
     assert "tokens per optimizer step: 32,768" in out
     assert "4 rank(s)" in out and "peak" in out and "total" in out
+
+
+def test_plan_refuses_a_share_outside_zero_to_one_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        main([
+            "plan",
+            "--config", str(ROOT / "configs" / "recipes" / "qwen3-8b_dflash.yaml"),
+            "--target-config", str(ROOT / "benchmarks" / "recipe_targets" / "Qwen3-8B.json"),
+            "--supervised", "1.5",
+        ])  # fmt: skip
+    message = capsys.readouterr().err
+    assert "--supervised 1.5" in message and "(0, 1]" in message and "Traceback" not in message

@@ -70,6 +70,22 @@ class SaveGradients(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
+    def on_before_backward(self, trainer, module, loss) -> None:
+        # FSDP1 prefetches a unit in backward only if its forward marked it as needing a pre-backward
+        # unshard (an output that requires grad): the target's units, run under no_grad, must not be.
+        self.units_marked_for_backward = {
+            "target": [
+                layer._handle._needs_pre_backward_unshard
+                for layer in module.target.decoder_layers
+                if isinstance(layer, FSDP)
+            ],
+            "root": [
+                unit._handle._needs_pre_backward_unshard
+                for unit in FSDP.fsdp_modules(trainer.strategy.model)
+                if unit._is_root and unit._handle is not None
+            ],
+        }
+
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         self.weights = full_parameters(trainer, module, grads=False)
         (group,) = optimizer.param_groups
@@ -91,6 +107,7 @@ class SaveGradients(L.Callback):
                     "weights_before": {n: self.weights[n] for n in grads},
                     "adamw": self.adamw,
                     "target_sharded": sharded,
+                    "units_marked_for_backward": getattr(self, "units_marked_for_backward", None),
                     "frozen_draft_parameters": frozen,
                     "frozen_draft_parameters_sharded": frozen_sharded,
                 },
