@@ -77,13 +77,18 @@ def test_plan_without_a_target_config_names_the_option(capsys):
     assert "--target-config" in message and "Traceback" not in message
 
 
-def test_plan_prints_the_peak_tokens_and_flops(capsys):
+def plan_dflash_recipe(*options: str) -> None:
+    """``lightning-drafts plan`` of the Qwen3-8B DFlash recipe with its shipped target config."""
     main([
         "plan",
         "--config", str(ROOT / "configs" / "recipes" / "qwen3-8b_dflash.yaml"),
         "--target-config", str(ROOT / "benchmarks" / "recipe_targets" / "Qwen3-8B.json"),
-        "--devices", "4",
+        *options,
     ])  # fmt: skip
+
+
+def test_plan_prints_the_peak_tokens_and_flops(capsys):
+    plan_dflash_recipe("--devices", "4")
     out = capsys.readouterr().out
     # 4 ranks x 2 rows x 4,096 tokens, one micro-batch per step.
     assert "tokens per optimizer step: 32,768" in out
@@ -92,11 +97,6 @@ def test_plan_prints_the_peak_tokens_and_flops(capsys):
 
 def test_plan_refuses_a_share_outside_zero_to_one_naming_it(capsys):
     with pytest.raises(SystemExit):
-        main([
-            "plan",
-            "--config", str(ROOT / "configs" / "recipes" / "qwen3-8b_dflash.yaml"),
-            "--target-config", str(ROOT / "benchmarks" / "recipe_targets" / "Qwen3-8B.json"),
-            "--supervised", "1.5",
-        ])  # fmt: skip
+        plan_dflash_recipe("--supervised", "1.5")
     message = capsys.readouterr().err
     assert "--supervised 1.5" in message and "(0, 1]" in message and "Traceback" not in message
