@@ -27,16 +27,19 @@ from lightning_drafts.core.batch import PackedBatch
 from lightning_drafts.eagle3.ttt import StepState, TTTCache, TTTDraft, step_input_ids
 
 
-def live_slots(supervised: Tensor) -> list[Tensor]:
+def live_slots(supervised: Tensor, sizes: list[int] | None = None) -> list[Tensor]:
     """The flat slots (``b * T + t``, ascending) live at each step of ``supervised`` (bool ``[K, B, T]``,
-    the objective's ``S_k``): ``K`` long tensors, each a subset of the one before."""
+    the objective's ``S_k``): ``K`` long tensors, each a subset of the one before. ``sizes``: their
+    counts when known (:attr:`TTTSupervision.sizes`), so that nothing is read back from the device."""
     live = [supervised[-1]]
     for mask in supervised[:-1].flip(0):
         live.append(live[-1] | mask)
     flat = torch.stack(live[::-1]).reshape(supervised.shape[0], -1)
-    # One nonzero (row-major, so each step's slots come out ascending) and one size read for all steps.
-    step, slots = flat.nonzero(as_tuple=True)
-    return list(slots.split(torch.bincount(step, minlength=supervised.shape[0]).tolist()))
+    if sizes is None:
+        # One nonzero (row-major, so each step's slots come out ascending) and one size read for all steps.
+        step, slots = flat.nonzero(as_tuple=True)
+        return list(slots.split(torch.bincount(step, minlength=supervised.shape[0]).tolist()))
+    return list(torch.nonzero_static(flat, size=sum(sizes))[:, 1].split(sizes))
 
 
 def ttt_unroll_live(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -167,6 +168,27 @@ class TTTSupervision:
     chain_valid: Tensor
     supervised: Tensor
 
+    @cached_property
+    def sizes(self) -> SupervisionSizes:
+        """How many slots each step runs and supervises, and the chains: one read of the device for the
+        whole unroll, which then sizes its index lists without reading it again."""
+        steps = self.supervised.shape[0]
+        flat = self.supervised.reshape(steps, -1)
+        # A slot runs at step k when a later step (or k) supervises it: the suffix OR over steps.
+        live = flat.flip(0).cummax(0).values.flip(0)
+        chains = self.chain_valid.any(0).sum().reshape(1)
+        counts = torch.cat([live.sum(1), flat.sum(1), chains]).tolist()
+        return SupervisionSizes(live=counts[:steps], supervised=counts[steps : 2 * steps], chains=counts[-1])
+
+
+@dataclass(frozen=True)
+class SupervisionSizes:
+    """Per step, the slots live (run) and supervised, and the chains of :class:`TTTSupervision`."""
+
+    live: list[int]
+    supervised: list[int]
+    chains: int
+
 
 def ttt_supervision(packed: PackedBatch, teacher: TeacherSignal, steps: int) -> TTTSupervision:
     """:func:`step_masks` for steps ``0..steps - 1``, with the packing gate on."""
@@ -249,10 +271,10 @@ def eagle3_objective(
     steps, width = len(states), packed.shape[1]
     valid = supervision.chain_valid.permute(1, 2, 0).contiguous()
     correct = torch.zeros_like(valid)
-    # Every supervised (step, row, slot) of the unroll in one nonzero: two host syncs per micro-batch
-    # (the nonzero and the per-step sizes) instead of one per step.
-    step, rows, slots = supervision.supervised.nonzero(as_tuple=True)
-    sizes = torch.bincount(step, minlength=steps).tolist()
+    # Every supervised (step, row, slot) of the unroll in one index, sized by the supervision's one read.
+    sizes = supervision.sizes.supervised
+    index = torch.nonzero_static(supervision.supervised, size=sum(sizes))
+    rows, slots = index[:, 1], index[:, 2]
     per_step = zip(states, step_weights(steps, gamma), rows.split(sizes), slots.split(sizes), strict=True)
     # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
     # so every rank runs backward and DDP / FSDP never wait on a skipped step.
@@ -266,13 +288,13 @@ def eagle3_objective(
         loss = loss + weight * objective.step_loss(student, target)
         correct[step_rows, step_slots, k] = row_max(student.detach())[1] == teacher_argmax[teacher_rows]
     supervised_total = torch.tensor(sum(sizes), device=valid.device)
-    chains = valid.any(-1).reshape(-1)
-    correct = correct.reshape(-1, steps)[chains]
+    chains = torch.nonzero_static(valid.any(-1).reshape(-1), size=supervision.sizes.chains).squeeze(1)
+    correct = correct.reshape(-1, steps).index_select(0, chains)
     hits = correct.sum()
     return DraftOutput(
         loss=loss,
         correct=correct,
-        valid=valid.reshape(-1, steps)[chains],
+        valid=valid.reshape(-1, steps).index_select(0, chains),
         valid_tokens=supervised_total,
         metrics={"accuracy": hits.float() / supervised_total.clamp(min=1).float()},
         sums={

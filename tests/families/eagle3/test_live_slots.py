@@ -12,7 +12,7 @@ from lightning_drafts import Eagle3Module, MLAEagle3Module
 from lightning_drafts.core.draft_output import DraftOutput
 from lightning_drafts.eagle3 import Eagle3Base
 from lightning_drafts.eagle3.live_slots import live_slots
-from lightning_drafts.eagle3.ttt import ttt_supervision
+from lightning_drafts.eagle3.ttt import TTTSupervision, ttt_supervision
 from tests.support.builders import TINY_TARGETS, packed_row, padded_rows, random_docs, stack_rows
 from tests.support.eagle3_checks import assert_same_objective, build
 from tests.support.output_checks import TOLERANCE, assert_same_output
@@ -210,7 +210,13 @@ def test_each_step_runs_its_live_slots_only_and_step_zero_keeps_every_key():
 def test_live_sets_are_the_suffix_unions_of_the_supervised_slots():
     gen = torch.Generator().manual_seed(0)
     supervised = torch.rand(5, 3, 7, generator=gen) < 0.2
+    chain_valid = supervised | (torch.rand(5, 3, 7, generator=gen) < 0.2)
+    sizes = TTTSupervision(chain_valid, supervised).sizes
     sets = live_slots(supervised)
+    # Sized by the supervision's one read, the same sets.
+    assert all(torch.equal(a, b) for a, b in zip(sets, live_slots(supervised, sizes.live), strict=True))
+    assert sizes.supervised == supervised.reshape(5, -1).sum(1).tolist()
+    assert sizes.chains == int(chain_valid.any(0).sum())
     for step, slots in enumerate(sets):
         expected = supervised[step:].any(0).reshape(-1).nonzero().squeeze(1)
         assert torch.equal(slots, expected)
