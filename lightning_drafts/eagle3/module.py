@@ -351,16 +351,18 @@ class Eagle3Base(DraftModule):
         supervised = packed.loss_mask
         row = torch.cumsum(supervised.reshape(-1), 0).reshape(supervised.shape) - 1
         row = row.masked_fill(~supervised, -1)
-        in_vocab = torch.zeros_like(supervised)
         if greedy is None:
             if self.compresses_vocab:
                 raise ValueError(
                     f"draft_vocab_size={self.hparams.draft_vocab_size} compresses the vocabulary, so the teacher "
                     "needs the target's greedy token at each supervised position (greedy); pass it"
                 )
-            in_vocab[supervised] = True
+            in_vocab = supervised.clone()
         else:
-            in_vocab[supervised] = self.draft.t2d[greedy]
+            # Each supervised position reads its own row of ``greedy`` (a gather: a boolean-mask write would
+            # wait for the device to count the positions); the others (row -1) read a False appended last.
+            looked_up = self.draft.t2d[greedy]
+            in_vocab = torch.cat([looked_up, looked_up.new_zeros(1)])[row]
         return TeacherSignal(aux, logits, row, in_vocab)
 
     def feature_request(self) -> FeatureRequest:
