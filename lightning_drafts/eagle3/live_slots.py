@@ -39,7 +39,8 @@ def live_slots(supervised: Tensor, sizes: list[int] | None = None) -> list[Tenso
         # One nonzero (row-major, so each step's slots come out ascending) and one size read for all steps.
         step, slots = flat.nonzero(as_tuple=True)
         return list(slots.split(torch.bincount(step, minlength=supervised.shape[0]).tolist()))
-    return list(torch.nonzero_static(flat, size=sum(sizes))[:, 1].split(sizes))
+    # A column of the [n, 2] index is strided: copied contiguous, as nonzero's own tuple hands it out.
+    return list(torch.nonzero_static(flat, size=sum(sizes))[:, 1].contiguous().split(sizes))
 
 
 def ttt_unroll_live(

@@ -274,7 +274,7 @@ def eagle3_objective(
     # Every supervised (step, row, slot) of the unroll in one index, sized by the supervision's one read.
     sizes = supervision.sizes.supervised
     index = torch.nonzero_static(supervision.supervised, size=sum(sizes))
-    rows, slots = index[:, 1], index[:, 2]
+    rows, slots = index[:, 1].contiguous(), index[:, 2].contiguous()
     per_step = zip(states, step_weights(steps, gamma), rows.split(sizes), slots.split(sizes), strict=True)
     # Starting from a zero tied to the graph keeps a micro-batch with nothing supervised differentiable,
     # so every rank runs backward and DDP / FSDP never wait on a skipped step.
