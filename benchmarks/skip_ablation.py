@@ -61,7 +61,7 @@ def live_slot_steps(module: DraftModule, batches: list[dict[str, Tensor]]) -> in
     for batch in batches:
         packed = module.prepare_batch(batch)
         supervision = ttt_supervision(packed, module.teacher_signal(packed), module.hparams.ttt_length)
-        total += sum(slots.numel() for slots in live_slots(supervision.supervised))
+        total += sum(slots.numel() for slots in live_slots(supervision))
     return total
 
 

@@ -24,23 +24,17 @@ import torch
 from torch import Tensor
 
 from lightning_drafts.core.batch import PackedBatch
-from lightning_drafts.eagle3.ttt import StepState, TTTCache, TTTDraft, step_input_ids
+from lightning_drafts.eagle3.ttt import StepState, TTTCache, TTTDraft, TTTSupervision, step_input_ids
 
 
-def live_slots(supervised: Tensor, sizes: list[int] | None = None) -> list[Tensor]:
-    """The flat slots (``b * T + t``, ascending) live at each step of ``supervised`` (bool ``[K, B, T]``,
-    the objective's ``S_k``): ``K`` long tensors, each a subset of the one before. ``sizes``: their
-    counts when known (:attr:`TTTSupervision.sizes`), so that nothing is read back from the device."""
-    live = [supervised[-1]]
-    for mask in supervised[:-1].flip(0):
-        live.append(live[-1] | mask)
-    flat = torch.stack(live[::-1]).reshape(supervised.shape[0], -1)
-    if sizes is None:
-        # One nonzero (row-major, so each step's slots come out ascending) and one size read for all steps.
-        step, slots = flat.nonzero(as_tuple=True)
-        return list(slots.split(torch.bincount(step, minlength=supervised.shape[0]).tolist()))
-    # A column of the [n, 2] index is strided: copied contiguous, as nonzero's own tuple hands it out.
-    return list(torch.nonzero_static(flat, size=sum(sizes))[:, 1].contiguous().split(sizes))
+def live_slots(supervision: TTTSupervision) -> list[Tensor]:
+    """The flat slots (``b * T + t``, ascending) live at each step of ``supervision``
+    (:attr:`TTTSupervision.live`): ``K`` long tensors, each a subset of the one before, indexed at the sizes
+    the supervision read once (:attr:`TTTSupervision.sizes`), so nothing else is read back from the device."""
+    sizes = supervision.sizes.live
+    # Row-major, so each step's slots come out ascending; a column of the [n, 2] index is strided: copied
+    # contiguous, as nonzero's own tuple hands it out.
+    return list(torch.nonzero_static(supervision.live, size=sum(sizes))[:, 1].contiguous().split(sizes))
 
 
 def ttt_unroll_live(

@@ -315,7 +315,7 @@ class Eagle3Base(DraftModule):
             packed,
             teacher.aux_hidden_states,
             lambda slots: self.live_attention_mask(starts, slots),
-            live_slots(supervision.supervised, supervision.sizes.live),
+            live_slots(supervision),
         )
 
     def draft_logits(self, batch: Mapping[str, Tensor] | PackedBatch) -> Tensor:

@@ -169,15 +169,19 @@ class TTTSupervision:
     supervised: Tensor
 
     @cached_property
+    def live(self) -> Tensor:
+        """Bool ``[K, B * T]``: the slots step ``k`` runs, those supervised at ``k`` or a later step (a slot's
+        later states need its earlier ones): the suffix OR of ``supervised`` over steps."""
+        flat = self.supervised.reshape(self.supervised.shape[0], -1)
+        return flat.flip(0).cumsum(0).flip(0) > 0
+
+    @cached_property
     def sizes(self) -> SupervisionSizes:
         """How many slots each step runs and supervises, and the chains: one read of the device for the
         whole unroll, which then sizes its index lists without reading it again."""
         steps = self.supervised.shape[0]
-        flat = self.supervised.reshape(steps, -1)
-        # A slot runs at step k when a later step (or k) supervises it: the suffix OR over steps.
-        live = flat.flip(0).cummax(0).values.flip(0)
         chains = self.chain_valid.any(0).sum().reshape(1)
-        counts = torch.cat([live.sum(1), flat.sum(1), chains]).tolist()
+        counts = torch.cat([self.live.sum(1), self.supervised.reshape(steps, -1).sum(1), chains]).tolist()
         return SupervisionSizes(live=counts[:steps], supervised=counts[steps : 2 * steps], chains=counts[-1])
 
 

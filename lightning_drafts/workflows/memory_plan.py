@@ -32,7 +32,6 @@ from lightning_drafts.workflows.activation_bytes import (
 )
 
 GB = 1e9
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, None: 4}
 SHARDED = {"ModelParallelStrategy": "fsdp2", "FSDPStrategy": "fsdp1"}
 
 
@@ -232,7 +231,7 @@ def plan_config(
 def _weights(module: nn.Module, settings: RunSettings) -> tuple[dict[str, float], Shapes, list[str]]:
     target = module.target
     text = target.text_config
-    target_bytes = DTYPE_BYTES[str(next(target.parameters()).dtype).removeprefix("torch.")]
+    target_bytes = next(target.parameters()).dtype.itemsize
     target_params = _count(target.parameters())
     draft_roots = [child for name, child in module.named_children() if name != "target"]
     trainable = _count(p for root in draft_roots for p in root.parameters() if p.requires_grad)

@@ -151,7 +151,7 @@ def test_the_batches_drop_out_of_vocabulary_targets_and_prompt_slots(module_clas
         teacher = live.teacher_signal(packed)
         out_of_vocab = packed.loss_mask & ~teacher.in_draft_vocab
         assert 0 < int(out_of_vocab.sum()) < int(packed.loss_mask.sum()), name
-        sets = live_slots(ttt_supervision(packed, teacher, STEPS).supervised)
+        sets = live_slots(ttt_supervision(packed, teacher, STEPS))
         assert sets[-1].numel() < sets[0].numel() < packed.input_ids.numel() / 2, name
 
 
@@ -180,9 +180,7 @@ def test_each_step_runs_its_live_slots_only_and_step_zero_keeps_every_key():
     batch = row_without_live_slots()
     packed = live.prepare_batch(batch)
     slots = packed.input_ids.numel()
-    expected = [
-        s.numel() for s in live_slots(ttt_supervision(packed, live.teacher_signal(packed), STEPS).supervised)
-    ]
+    expected = [s.numel() for s in live_slots(ttt_supervision(packed, live.teacher_signal(packed), STEPS))]
     attention = live.draft.midlayer.self_attn
     widths: dict[str, list[int]] = {"mlp": [], "k_proj": [], "q_proj": []}
     hooks = [
@@ -211,10 +209,10 @@ def test_live_sets_are_the_suffix_unions_of_the_supervised_slots():
     gen = torch.Generator().manual_seed(0)
     supervised = torch.rand(5, 3, 7, generator=gen) < 0.2
     chain_valid = supervised | (torch.rand(5, 3, 7, generator=gen) < 0.2)
-    sizes = TTTSupervision(chain_valid, supervised).sizes
-    sets = live_slots(supervised)
-    # Sized by the supervision's one read, the same sets.
-    assert all(torch.equal(a, b) for a, b in zip(sets, live_slots(supervised, sizes.live), strict=True))
+    supervision = TTTSupervision(chain_valid, supervised)
+    sizes = supervision.sizes
+    sets = live_slots(supervision)
+    assert sizes.live == [int(supervised[step:].any(0).sum()) for step in range(5)]
     assert sizes.supervised == supervised.reshape(5, -1).sum(1).tolist()
     assert sizes.chains == int(chain_valid.any(0).sum())
     for step, slots in enumerate(sets):
@@ -223,7 +221,8 @@ def test_live_sets_are_the_suffix_unions_of_the_supervised_slots():
     assert all(
         set(later.tolist()) <= set(earlier.tolist()) for earlier, later in zip(sets, sets[1:], strict=False)
     )
-    assert [s.numel() for s in live_slots(torch.zeros(3, 2, 4, dtype=torch.bool))] == [0, 0, 0]
+    nothing = torch.zeros(3, 2, 4, dtype=torch.bool)
+    assert [s.numel() for s in live_slots(TTTSupervision(nothing, nothing))] == [0, 0, 0]
 
 
 def test_the_option_is_a_bool():
