@@ -53,7 +53,7 @@ CPU_KERNELS = {
     "attention/query_subset.py": {"tile_subset_causal_mask"},
     "attention/block_masks.py": {"tiled_block_mask", "_block_tiles", "_tile_context_bounds"},
     "training/document_target_attention.py": None,
-    "training/target.py": {"_forward_documents", "_documents_in_one_row", "_each_document_alone"},
+    "training/target.py": {"_forward_documents", "_documents_in_one_row"},
 }
 _aten = torch.ops.aten
 # Operators whose output size depends on the data, or that read a scalar back: a CUDA host waits for them.

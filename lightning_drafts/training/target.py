@@ -384,7 +384,9 @@ class FrozenTarget(nn.Module):
         through = None if final else max((int(i) for i in layer_ids), default=-1)
         try:
             with _evaluating(self.model), self._decoder_through(through):
-                if backend == "flash":
+                if self.has_linear_layers:
+                    last_hidden = self._forward_each_document(packed, captured)
+                elif backend == "flash":
                     last_hidden = self._forward_varlen(packed, captured)
                 elif self._per_document(backend, packed.input_ids.device):
                     last_hidden = self._forward_documents(packed, captured)
@@ -516,12 +518,6 @@ class FrozenTarget(nn.Module):
         """The mask of every layer kind the target has, each cut per document: one mask where all layers
         share a kind, else transformers' ``{layer type: mask}`` mapping (a single custom mask would replace
         the sliding windows and chunks of the layers that have them)."""
-        if self.has_linear_layers:
-            raise ValueError(
-                f"the target's linear-attention layers carry their state across packed documents under "
-                f"attn_backend={backend!r}; run it with attn_backend='sdpa' on the CPU, which runs each "
-                "document alone"
-            )
         if backend == "flex" and packed.input_ids.device.type == "cpu" and self._has_attention_sinks():
             raise ValueError(
                 "the target's attention sinks do not run in flex attention on the CPU (attn_backend='flex'); "
@@ -555,17 +551,11 @@ class FrozenTarget(nn.Module):
 
     def _forward_varlen(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
         """FlashAttention varlen over the real tokens only: padding costs nothing, any batch size works."""
-        # transformers hands flash_attention_2 no attention sinks (its kernel takes none), and its linear-attention
-        # layers read the document bounds only through kernels this path does not check for.
+        # transformers hands flash_attention_2 no attention sinks (its kernel takes none).
         if self._has_attention_sinks():
             raise ValueError(
                 "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
                 "with attn_backend='flex' on CUDA"
-            )
-        if self.has_linear_layers:
-            raise ValueError(
-                "the target's linear-attention layers are not checked to restart at each document under "
-                "attn_backend='flash'; run it with attn_backend='sdpa' on the CPU, which runs each document alone"
             )
         layout = varlen_layout(packed)
         hidden = self._decoder(
@@ -612,17 +602,38 @@ class FrozenTarget(nn.Module):
         one thread, where 64 rows or more did not), so a document's features do not depend on how few
         tokens share its micro-batch."""
         layout = varlen_layout(packed)
-        bounds = layout.cu_seqlens.tolist()
-        spans = tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
         self.model.set_attn_implementation(DOCUMENT_ATTENTION)
         try:
-            if spans and self.has_linear_layers:
-                hidden = self._each_document_alone(packed, layout.token_index, spans, captured)
-            else:
-                hidden = self._documents_in_one_row(packed, layout.token_index, spans)
+            hidden = self._documents_in_one_row(packed, layout.token_index, _document_spans(layout))
         finally:
             self.model.set_attn_implementation(HF_ATTENTION[self.backend])
         return _back_to_rows(hidden, captured, layout.token_index, packed.shape)
+
+    def _forward_each_document(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
+        """One decoder forward per document, each in a row of its own, through the model's own attention
+        (whichever backend it runs, on any device) with no mask but its causal one: a linear-attention layer's
+        recurrent state and causal convolution run along the whole row they are given, and neither
+        transformers' fallbacks of them nor every kernel it may pick takes document bounds. Each row is
+        filled to a multiple of :data:`COMPACT_ROW_MULTIPLE` after its document (see
+        :meth:`_forward_documents`), which no causal layer reads back."""
+        layout = varlen_layout(packed)
+        hidden, layers = [], {layer_id: [] for layer_id in captured}
+        # A batch without a real token still runs one (empty) document, so every captured layer has a state.
+        for _, start, stop in _document_spans(layout) or ((0, 0, 0),):
+            own = layout.token_index[start:stop]
+            width = _compact_width(stop - start)
+            captured.clear()
+            hidden.append(
+                self._decoder(
+                    input_ids=_gather_row(packed.input_ids, own, width),
+                    position_ids=_gather_row(packed.position_ids, own, width),
+                )[:, : stop - start]
+            )
+            for layer_id, state in captured.items():
+                layers.setdefault(layer_id, []).append(state[:, : stop - start])
+        captured.clear()
+        captured.update({layer_id: torch.cat(states, dim=1) for layer_id, states in layers.items()})
+        return _back_to_rows(torch.cat(hidden, dim=1), captured, layout.token_index, packed.shape)
 
     def _documents_in_one_row(
         self, packed: PackedBatch, token_index: Tensor, spans: tuple[tuple[int, int, int], ...]
@@ -632,35 +643,6 @@ class FrozenTarget(nn.Module):
             _gather_row(values, token_index, compact) for values in (packed.input_ids, packed.position_ids)
         )
         return self._decoder(input_ids=input_ids, position_ids=position_ids, **{SPANS_ARGUMENT: spans})
-
-    def _each_document_alone(
-        self,
-        packed: PackedBatch,
-        token_index: Tensor,
-        spans: tuple[tuple[int, int, int], ...],
-        captured: dict[int, Tensor],
-    ) -> Tensor:
-        """One decoder forward per document, laid out as :meth:`_documents_in_one_row`'s row: a linear-attention
-        layer's recurrent state and causal convolution run along the whole row they are given, and
-        transformers' CPU fallbacks of them take no document bounds, so each document gets a row of its own
-        (filled to a multiple of :data:`COMPACT_ROW_MULTIPLE` after it, which a causal layer never reads)."""
-        hidden, layers = [], {layer_id: [] for layer_id in captured}
-        for _, start, stop in spans:
-            own = token_index[start:stop]
-            width = _compact_width(stop - start)
-            captured.clear()
-            hidden.append(
-                self._decoder(
-                    input_ids=_gather_row(packed.input_ids, own, width),
-                    position_ids=_gather_row(packed.position_ids, own, width),
-                    **{SPANS_ARGUMENT: ((0, 0, stop - start),)},
-                )[:, : stop - start]
-            )
-            for layer_id, state in captured.items():
-                layers.setdefault(layer_id, []).append(state[:, : stop - start])
-        captured.clear()
-        captured.update({layer_id: torch.cat(states, dim=1) for layer_id, states in layers.items()})
-        return torch.cat(hidden, dim=1)
 
     def _check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
@@ -758,6 +740,12 @@ def _capture_into(store: dict[int, Tensor], layer_id: int):
         store[layer_id] = output[0] if isinstance(output, tuple) else output
 
     return hook
+
+
+def _document_spans(layout: Any) -> tuple[tuple[int, int, int], ...]:
+    """``(row 0, start, stop)`` of every document in a :func:`varlen_layout`'s gathered row of real tokens."""
+    bounds = layout.cu_seqlens.tolist()
+    return tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _compact_width(tokens: int) -> int:

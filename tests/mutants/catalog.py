@@ -155,8 +155,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "target-gathered-row-spans-from-its-start",
         "lightning_drafts/training/target.py",
-        "spans = tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))",
-        "spans = tuple((0, 0, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))",
+        "return tuple((0, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))",
+        "return tuple((0, 0, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))",
         ("tests/training/test_target.py::test_sdpa_on_the_cpu_runs_the_layers_over_the_real_tokens_alone",),
         "in the gathered row of real tokens, each document attends to every document gathered before it",
     ),
@@ -671,11 +671,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "target-linear-state-across-documents",
         "lightning_drafts/training/target.py",
-        "if spans and self.has_linear_layers:",
-        "if spans and False:",
+        "if self.has_linear_layers:",
+        "if False:",
         (
             "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[qwen3_next-sdpa]",
-            "tests/training/test_target_matrix.py::test_a_documents_features_do_not_change_with_the_documents_beside_it[qwen3_next-sdpa]",
+            "tests/training/test_target_matrix.py::test_a_documents_features_do_not_change_with_the_documents_beside_it[qwen3_next-eager]",
         ),
         "Qwen3-Next's Gated DeltaNet state and convolution run on along the row into the next document",
     ),

@@ -117,9 +117,11 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 # The frozen target's attention paths on the CPU: attn_backend -> what it runs.
 PATHS = {
     "sdpa": "each document alone: fused flash kernel per document (a windowed or chunked layer's mask "
-    "document-sized), a linear-attention target one decoder forward per document",
+    "document-sized)",
     "eager": "transformers' eager attention, one per-document mask per layer type",
     "flex": "flex attention (eager on the CPU), one per-document block mask per layer type",
+    # A target with linear-attention layers runs one decoder forward per document on every path, through the
+    # model's own attention: its recurrent state and convolution take no document bounds.
 }
 
 # (architecture, path) -> the refusal's message, matched whole (each names the layer kind and the path that can).
@@ -131,8 +133,6 @@ REFUSED: dict[tuple[str, str], str] = {
     "needs; run the target with attn_backend='eager'",
     ("gpt_oss", "flex"): "the target's attention sinks do not run in flex attention on the CPU "
     "(attn_backend='flex'); run it with attn_backend='eager' on the CPU",
-    ("qwen3_next", "eager"): "the target's linear-attention layers carry their state across packed documents "
-    "under attn_backend='eager'; run it with attn_backend='sdpa' on the CPU, which runs each document alone",
     (
         "qwen3_next",
         "flex",

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_drafts.core.batch import validate_batch
-from lightning_drafts.training.target import FrozenTarget
+from lightning_drafts.training.target import COMPACT_ROW_MULTIPLE, FrozenTarget
 from tests.families.cases import CASES
 from tests.support.builders import packed_row, random_docs
 from tests.support.target_matrix import (
@@ -131,27 +131,29 @@ def test_a_path_that_cannot_isolate_a_targets_layers_refuses_it_in_one_line(arch
     assert str(refused.value) == REFUSED[architecture, path]
 
 
-@pytest.mark.parametrize(
-    ("architecture", "refusal"),
-    [
-        (
-            "gpt_oss",
-            "attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it with "
-            "attn_backend='flex' on CUDA",
-        ),
-        (
-            "qwen3_next",
-            "linear-attention layers are not checked to restart at each document under "
-            "attn_backend='flash'; run it with attn_backend='sdpa' on the CPU",
-        ),
-    ],
-)
-def test_the_flash_path_refuses_sinks_and_linear_attention(architecture, refusal):
+def test_the_flash_path_refuses_attention_sinks():
     # The CUDA path is reached on a GPU only; its refusal comes before any kernel runs.
-    target = FrozenTarget(config(architecture))
+    target = FrozenTarget(config("gpt_oss"))
     row = validate_batch(packed_row(random_docs(list(LENGTHS), seed=3), WIDTH), vocab_size=target.vocab_size)
-    with pytest.raises(ValueError, match=re.escape(refusal)):
+    with pytest.raises(ValueError, match=re.escape("attention sinks are dropped by flash-attn varlen")):
         target._forward_varlen(row, {})
+
+
+@pytest.mark.parametrize("path", ["sdpa", "eager"])
+def test_a_linear_attention_target_runs_one_forward_per_document_on_every_path(path):
+    # The backend only picks the full-attention layers' kernel: on CUDA (flash, sdpa) the same per-document
+    # forwards run, so a Gated DeltaNet never sees two documents in one call. Counted at the decoder, with
+    # the lengths each call ran (its document's, filled to the compact width).
+    target = FrozenTarget(config("qwen3_next"), attn_backend=path)
+    widths = []
+    hook = target.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        features(target, packed_row(random_docs(list(LENGTHS), seed=3), WIDTH))
+    finally:
+        hook.remove()
+    assert widths == [COMPACT_ROW_MULTIPLE] * len(LENGTHS)
 
 
 def family_cells() -> list:
