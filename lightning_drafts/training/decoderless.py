@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
+
+from lightning_drafts.training.auto_model import target_model_class
 
 # transformers logs its loading report (every key it left unread) at warning level on this logger.
 REPORT_LOGGER = "transformers.modeling_utils"
@@ -31,7 +33,7 @@ def load_without_decoder(path: str | os.PathLike, dtype: torch.dtype | str) -> P
     layers = int(text.num_hidden_layers)
     text.num_hidden_layers = 0
     with _without_load_report():
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = target_model_class(config).from_pretrained(
             path, config=config, dtype=dtype, output_loading_info=True
         )
     if info["missing_keys"]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from lightning_drafts.attention.backends import (
     additive_mask,
@@ -23,7 +23,6 @@ from lightning_drafts.attention.backends import (
 )
 from lightning_drafts.attention.layer_kinds import (
     FULL,
-    LINEAR,
     LayerKind,
     document_kind_mask,
     document_kind_mask_mod,
@@ -36,6 +35,7 @@ from lightning_drafts.core.row_top import row_max
 from lightning_drafts.core.target_features import FeatureRequest, TargetFeatures, final_position_mask
 from lightning_drafts.gguf import file_sha256, is_gguf, load_gguf_model
 from lightning_drafts.shipped import resolve_shipped
+from lightning_drafts.training.auto_model import target_model_class
 from lightning_drafts.training.decoderless import load_without_decoder
 from lightning_drafts.training.document_target_attention import DOCUMENT_ATTENTION, SPANS_ARGUMENT
 
@@ -130,7 +130,7 @@ def build_causal_lm(
         config = AutoConfig.for_model(model_type, **fields)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=as_dtype(dtype))
+            model = target_model_class(config).from_config(config, dtype=as_dtype(dtype))
         return model
     if isinstance(spec, str):
         if is_gguf(spec):
@@ -139,7 +139,10 @@ def build_causal_lm(
             return load_gguf_model(spec, dtype=as_dtype(dtype))
         if not decoder:
             return load_without_decoder(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
-        return AutoModelForCausalLM.from_pretrained(resolve_shipped(spec), dtype=as_dtype(dtype) or "auto")
+        path = resolve_shipped(spec)
+        return target_model_class(AutoConfig.from_pretrained(path)).from_pretrained(
+            path, dtype=as_dtype(dtype) or "auto"
+        )
     raise ValueError(
         f"target must be a hub id / local path (str), a config dict or a transformers PreTrainedModel, "
         f"got {type(spec).__name__}"
@@ -327,9 +330,11 @@ class FrozenTarget(nn.Module):
         return layer_kinds(self.text_config)
 
     @property
-    def has_linear_layers(self) -> bool:
-        """Whether any decoder layer is linear attention (a recurrent state no attention mask stops)."""
-        return any(kind.kind == LINEAR for kind in self.layer_kinds)
+    def runs_documents_alone(self) -> bool:
+        """Whether some decoder layer is one no per-document mask isolates (linear attention's recurrent
+        state, a layer type :mod:`~lightning_drafts.attention.layer_kinds` does not describe): the target
+        then runs each packed document in a forward of its own."""
+        return not all(kind.masked for kind in self.layer_kinds)
 
     @property
     def input_embeddings(self) -> nn.Embedding:
@@ -384,7 +389,7 @@ class FrozenTarget(nn.Module):
         through = None if final else max((int(i) for i in layer_ids), default=-1)
         try:
             with _evaluating(self.model), self._decoder_through(through):
-                if self.has_linear_layers:
+                if self.runs_documents_alone:
                     last_hidden = self._forward_each_document(packed, captured)
                 elif backend == "flash":
                     last_hidden = self._forward_varlen(packed, captured)
@@ -485,7 +490,21 @@ class FrozenTarget(nn.Module):
         if vocab_ids is not None:
             weight = weight.index_select(0, vocab_ids)
             bias = None if bias is None else bias.index_select(0, vocab_ids)
-        return nn.functional.linear(last_hidden_state, weight, bias)
+        return self._as_model_logits(nn.functional.linear(last_hidden_state, weight, bias))
+
+    def _as_model_logits(self, logits: Tensor) -> Tensor:
+        """The LM head's product as the model's own logits: its causal-LM forward scales them (Cohere's
+        ``logit_scale``, Granite's ``logits_scaling``) or soft-caps them (Gemma 2's
+        ``final_logit_softcapping``) after the head, and a teacher's distribution is the model's. Each is
+        monotone, so the greedy token stays the head's argmax."""
+        config = self.text_config
+        if (scale := getattr(config, "logit_scale", None)) is not None:
+            logits = logits * scale
+        if (scaling := getattr(config, "logits_scaling", None)) is not None:
+            logits = logits / scaling
+        if cap := getattr(config, "final_logit_softcapping", None):
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def greedy_tokens(self, last_hidden_state: Tensor, chunk_tokens: int = 4096) -> Tensor:
@@ -574,7 +593,9 @@ class FrozenTarget(nn.Module):
             try:
                 self.model.set_attn_implementation(HF_ATTENTION[backend])
             except ValueError:
-                other = "sdpa" if self.has_linear_layers else "eager"
+                other = (
+                    "sdpa" if backend != "sdpa" and getattr(self.model, "_supports_sdpa", False) else "eager"
+                )
                 raise ValueError(
                     f"transformers runs {type(self.model).__name__} without {HF_ATTENTION[backend]!r} attention, "
                     f"which attn_backend={backend!r} needs; run the target with attn_backend={other!r}"
@@ -613,7 +634,8 @@ class FrozenTarget(nn.Module):
         """One decoder forward per document, each in a row of its own, through the model's own attention
         (whichever backend it runs, on any device) with no mask but its causal one: a linear-attention layer's
         recurrent state and causal convolution run along the whole row they are given, and neither
-        transformers' fallbacks of them nor every kernel it may pick takes document bounds. Each row is
+        transformers' fallbacks of them nor every kernel it may pick takes document bounds; a layer type no
+        per-document mask describes (DeepSeek-V4's compressed attention) is cut the same way. Each row is
         filled to a multiple of :data:`COMPACT_ROW_MULTIPLE` after its document (see
         :meth:`_forward_documents`), which no causal layer reads back."""
         layout = varlen_layout(packed)
@@ -737,7 +759,14 @@ def _compile_stance(backend: str, device: torch.device) -> Any:
 
 def _capture_into(store: dict[int, Tensor], layer_id: int):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        store[layer_id] = output[0] if isinstance(output, tuple) else output
+        state = output[0] if isinstance(output, tuple) else output
+        if state.dim() != 3:
+            raise ValueError(
+                f"decoder layer {layer_id} of the target outputs {tuple(state.shape)}, not one hidden state per "
+                "token [batch, tokens, hidden] (DeepSeek-V4's layers carry several residual streams): no draft "
+                "here reads such a layer's features"
+            )
+        store[layer_id] = state
 
     return hook
 

@@ -671,13 +671,31 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "target-linear-state-across-documents",
         "lightning_drafts/training/target.py",
-        "if self.has_linear_layers:",
+        "if self.runs_documents_alone:",
         "if False:",
         (
             "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[qwen3_next-sdpa]",
             "tests/training/test_target_matrix.py::test_a_documents_features_do_not_change_with_the_documents_beside_it[qwen3_next-eager]",
         ),
         "Qwen3-Next's Gated DeltaNet state and convolution run on along the row into the next document",
+    ),
+    Mutant(
+        "target-logits-without-final-softcap",
+        "lightning_drafts/training/target.py",
+        'if cap := getattr(config, "final_logit_softcapping", None):',
+        "if cap := None:",
+        ("tests/training/test_target_logits.py::test_teacher_logits_equal_the_models_own[gemma2]",),
+        "a Gemma 2 target's teacher distribution comes from its LM head without the soft-cap its forward applies",
+    ),
+    Mutant(
+        "target-vision-language-config-as-causal-lm",
+        "lightning_drafts/training/auto_model.py",
+        "return AutoModelForImageTextToText",
+        "return AutoModelForCausalLM",
+        (
+            "tests/training/test_target_matrix.py::test_packed_features_equal_each_document_alone[qwen3_vl-sdpa]",
+        ),
+        "a vision-language target (Qwen3-VL) is refused by the causal-LM auto class instead of trained on as text",
     ),
 )
 

@@ -22,6 +22,15 @@ _BASE = {
     "tie_word_embeddings": False,
 }
 _ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
+# Qwen3-Next's and Qwen3.5's Gated DeltaNet layers around a full-attention one.
+_GATED_DELTANET = {
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
 
 # architecture -> (what it stands for, config). Every one is its own transformers config class.
 ARCHITECTURES: dict[str, tuple[str, dict]] = {
@@ -62,12 +71,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
             "shared_expert_intermediate_size": 16,
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 8,
-            "linear_value_head_dim": 8,
-            "linear_conv_kernel_dim": 4,
+            **_GATED_DELTANET,
         },
     ),
     "gemma3": (
@@ -112,6 +116,103 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
         "Mistral (sliding window on every layer)",
         {**_BASE, "model_type": "mistral", "sliding_window": WINDOW},
     ),
+    "gemma2": (
+        "Gemma 2 (sliding window, logit soft-capping)",
+        {
+            **_BASE,
+            "model_type": "gemma2",
+            "sliding_window": WINDOW,
+            "layer_types": _ALTERNATING,
+            "query_pre_attn_scalar": 8,
+            # Caps near the tiny model's own score and logit sizes, so that a cap left out shows.
+            "attn_logit_softcapping": 0.05,
+            "final_logit_softcapping": 0.5,
+        },
+    ),
+    "qwen3_5": (
+        "Qwen3.5 (Gated DeltaNet linear attention)",
+        {
+            **_BASE,
+            "model_type": "qwen3_5_text",
+            **_GATED_DELTANET,
+        },
+    ),
+    "kimi_linear": (
+        "Kimi Linear (Kimi Delta Attention, MLA, MoE)",
+        {
+            **_BASE,
+            "model_type": "kimi_linear",
+            "num_key_value_heads": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "moe_intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "qk_head_dim": 8,
+            "v_head_dim": 8,
+            "linear_head_dim": 8,
+            "linear_num_heads": 4,
+            "linear_conv_kernel_dim": 4,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+    "deepseek_v4": (
+        "DeepSeek-V4 (compressed and sparse attention, hyper-connections, MoE)",
+        {
+            **_BASE,
+            "model_type": "deepseek_v4",
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": [
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+            ],
+            "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            "mlp_layer_types": ["hash_moe", "moe", "moe"],
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "index_n_heads": 2,
+            "index_head_dim": 8,
+            "index_topk": 4,
+            "sliding_window": WINDOW,
+        },
+    ),
+    "qwen3_vl": (
+        "Qwen3-VL on text (a vision-language model's language model)",
+        {
+            "model_type": "qwen3_vl",
+            "text_config": {
+                **{key: value for key, value in _BASE.items() if key != "tie_word_embeddings"},
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [1, 1, 2],
+                },
+            },
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": 32,
+                "deepstack_visual_indexes": [0],
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 # The frozen target's attention paths on the CPU: attn_backend -> what it runs.
@@ -138,11 +239,47 @@ REFUSED: dict[tuple[str, str], str] = {
         "flex",
     ): "transformers runs Qwen3NextForCausalLM without 'flex_attention' attention, which "
     "attn_backend='flex' needs; run the target with attn_backend='sdpa'",
+    (
+        "gemma2",
+        "sdpa",
+    ): "transformers runs Gemma2ForCausalLM without 'sdpa' attention, which attn_backend='sdpa' "
+    "needs; run the target with attn_backend='eager'",
+    (
+        "qwen3_5",
+        "flex",
+    ): "transformers runs Qwen3_5ForCausalLM without 'flex_attention' attention, which "
+    "attn_backend='flex' needs; run the target with attn_backend='sdpa'",
+    (
+        "kimi_linear",
+        "flex",
+    ): "transformers runs KimiLinearForCausalLM without 'flex_attention' attention, which "
+    "attn_backend='flex' needs; run the target with attn_backend='sdpa'",
+    (
+        "deepseek_v4",
+        "sdpa",
+    ): "transformers runs DeepseekV4ForCausalLM without 'sdpa' attention, which attn_backend='sdpa' "
+    "needs; run the target with attn_backend='eager'",
+    (
+        "deepseek_v4",
+        "eager",
+    ): "decoder layer 0 of the target outputs (1, 64, 4, 32), not one hidden state per token "
+    "[batch, tokens, hidden] (DeepSeek-V4's layers carry several residual streams): no draft here reads "
+    "such a layer's features",
+    (
+        "deepseek_v4",
+        "flex",
+    ): "transformers runs DeepseekV4ForCausalLM without 'flex_attention' attention, which "
+    "attn_backend='flex' needs; run the target with attn_backend='eager'",
+    (
+        "qwen3_vl",
+        "flex",
+    ): "transformers runs Qwen3VLForConditionalGeneration without 'flex_attention' attention, which "
+    "attn_backend='flex' needs; run the target with attn_backend='sdpa'",
 }
 
 # Draft module class -> the only architectures it trains on (every other class trains on all of them), and the
 # refusal the others get.
-FAMILY_ONLY = {"MLAEagle3Module": ("deepseek_v3",)}
+FAMILY_ONLY = {"MLAEagle3Module": ("deepseek_v3", "kimi_linear")}
 FAMILY_REFUSAL = {"MLAEagle3Module": "lacks the MLA fields"}
 
 CELLS = [(architecture, path) for architecture in ARCHITECTURES for path in PATHS]
@@ -153,9 +290,10 @@ def config(architecture: str) -> dict:
     return dict(ARCHITECTURES[architecture][1])
 
 
-def first_path(architecture: str) -> str:
-    """The first path that runs ``architecture`` (the one a draft is trained through in the matrix)."""
-    return next(path for path in PATHS if (architecture, path) not in REFUSED)
+def first_path(architecture: str) -> str | None:
+    """The first path that runs ``architecture`` (the one a draft is trained through in the matrix), or
+    ``None`` where every path refuses it."""
+    return next((path for path in PATHS if (architecture, path) not in REFUSED), None)
 
 
 def family_trains(module_name: str, architecture: str) -> bool:
@@ -177,6 +315,10 @@ def matrix_table(module_names: list[str]) -> str:
             f"refused: {REFUSED[architecture, path]}" if (architecture, path) in REFUSED else "tested"
             for path in PATHS
         ]
-        trained = ", ".join(name for name in module_names if family_trains(name, architecture))
+        trained = (
+            ", ".join(name for name in module_names if family_trains(name, architecture))
+            if first_path(architecture)
+            else "none: no path runs it"
+        )
         lines.append(f"| {title} | `{fields['model_type']}` | " + " | ".join(cells) + f" | {trained} |")
     return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""A target's teacher logits are the model's own: the scales and soft-caps a causal-LM forward applies after
+its LM head (Cohere, Granite, Gemma 2) are applied to the head's product too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_drafts.core.batch import validate_batch
+from lightning_drafts.training.target import FrozenTarget
+from tests.support.builders import packed_row, random_docs
+from tests.support.target_matrix import ARCHITECTURES, config
+
+_DENSE = {key: value for key, value in ARCHITECTURES["llama"][1].items() if key != "model_type"}
+# Each head transform set far from 1 (a scale) or near the logits' own size (a cap), so that one left out
+# moves the logits by most of their size.
+HEADS = {
+    "gemma2": config("gemma2"),
+    "granite": {**_DENSE, "model_type": "granite", "logits_scaling": 0.25},
+    "cohere": {**_DENSE, "model_type": "cohere", "logit_scale": 4.0},
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(HEADS))
+def test_teacher_logits_equal_the_models_own(architecture):
+    target = FrozenTarget(HEADS[architecture], attn_backend="eager")
+    document = random_docs([11], seed=2)[0]
+    packed = validate_batch(packed_row([document], 11), vocab_size=target.vocab_size)
+    logits = target.logits(target(packed).last_hidden_state)[0]
+    with torch.no_grad():
+        expected = target.model(input_ids=document[None], use_cache=False).logits[0]
+    head = torch.nn.functional.linear(target(packed).last_hidden_state[0], target.lm_head.weight)
+    assert (head - expected).abs().max() > 0.1 * expected.abs().max(), "the transform must matter here"
+    # float32, one reduction of 32 terms per logit and one scale or tanh: well inside 1e-5 of their size.
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    rows = torch.tensor([5, 0, 17])
+    subset = target.logits(target(packed).last_hidden_state, rows)[0]
+    torch.testing.assert_close(subset, logits[:, rows], rtol=1e-6, atol=0.0)
