@@ -200,6 +200,7 @@ class FrozenTarget(nn.Module):
             raise ValueError(
                 f"attn_backend {attn_backend!r} is unknown; choose 'auto' or one of {tuple(HF_ATTENTION)}"
             )
+        self._check_head_transform()
 
     def _apply(self, fn: Any, recurse: bool = True) -> FrozenTarget:
         # Every cast of the module tree (``.to(dtype)``, ``.bfloat16()``, a ``*-true`` precision's
@@ -382,6 +383,7 @@ class FrozenTarget(nn.Module):
         self._check_layer_ids(layer_ids)
         self.keep_float32_tensors()
         backend = self._select_backend(packed.input_ids.device)
+        self._refuse_dropped_sinks(backend, packed.input_ids.device)
         captured: dict[int, Tensor] = {}
         hooks = [
             self.decoder_layers[i].register_forward_hook(_capture_into(captured, i)) for i in set(layer_ids)
@@ -390,7 +392,8 @@ class FrozenTarget(nn.Module):
         try:
             with _evaluating(self.model), self._decoder_through(through):
                 if self.runs_documents_alone:
-                    last_hidden = self._forward_each_document(packed, captured)
+                    with _compile_stance(backend, packed.input_ids.device):
+                        last_hidden = self._forward_each_document(packed, captured)
                 elif backend == "flash":
                     last_hidden = self._forward_varlen(packed, captured)
                 elif self._per_document(backend, packed.input_ids.device):
@@ -507,6 +510,38 @@ class FrozenTarget(nn.Module):
         return logits
 
     @torch.no_grad()
+    def _check_head_transform(self) -> None:
+        """At construction: :meth:`logits` equals the model's own causal-LM logits on a short probe through
+        the embedding, the final norm and the head (no decoder layer runs, so this costs nothing and works on
+        a target whose decoder was released), or the target is refused. A forward that transforms its LM
+        head's product otherwise (HyperCLOVA X multiplies by ``logits_scaling``, Falcon-H1 by
+        ``lm_head_multiplier``, a LLaVA-NeXT wrapper applies none of its Granite text model's scaling) would
+        teach every draft a wrong distribution in silence. Both sides read the same states, so only the
+        transform can part them; 2^-6 of the logits' size is four bf16 roundings. A model built on the meta
+        device has nothing to compare, and one whose own forward cannot run here (a float16 model whose final
+        norm was kept float32 feeds its head a float32 state) is left to say so at its first forward."""
+        weight = self.lm_head.weight
+        if weight.is_meta:
+            return
+        probe = (torch.arange(1, 9, device=weight.device) % self.vocab_size)[None]
+        with _evaluating(self.model), self._decoder_through(-1):
+            try:
+                own = self.model(input_ids=probe, use_cache=False).logits.float()
+                ours = self.logits(
+                    self._decoder(input_ids=probe, position_ids=torch.arange(8, device=weight.device)[None])
+                ).float()
+            except RuntimeError:
+                return
+        gap = float((ours - own).abs().max())
+        if gap > 2**-6 * float(own.abs().max()):
+            raise ValueError(
+                f"{type(self.model).__name__}'s own logits differ from its LM head's product by up to {gap:.3g} "
+                f"(largest logit {float(own.abs().max()):.3g}): its forward transforms them in a way the "
+                "teacher does not know (it knows Cohere's logit_scale, Granite's logits_scaling and a final "
+                "soft-cap), so a draft would learn a wrong distribution; this target is not supported"
+            )
+
+    @torch.no_grad()
     def greedy_tokens(self, last_hidden_state: Tensor, chunk_tokens: int = 4096) -> Tensor:
         """Full-vocabulary argmax per position (the first maximal id), computed in chunks so ``[B, T, V]``
         never exists at once; through block maxima (:func:`~lightning_drafts.core.row_top.row_max`), as an
@@ -537,13 +572,25 @@ class FrozenTarget(nn.Module):
         """The mask of every layer kind the target has, each cut per document: one mask where all layers
         share a kind, else transformers' ``{layer type: mask}`` mapping (a single custom mask would replace
         the sliding windows and chunks of the layers that have them)."""
-        if backend == "flex" and packed.input_ids.device.type == "cpu" and self._has_attention_sinks():
+        masks = {kind.kind: self._kind_mask(kind, packed, backend) for kind in self.layer_kinds}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def _refuse_dropped_sinks(self, backend: str, device: torch.device) -> None:
+        """Refuse attention sinks a path would drop or cannot run, on whichever path runs the documents:
+        transformers hands flash_attention_2 no sinks (its kernel takes none), and flex on the CPU does not
+        run them."""
+        if not self._has_attention_sinks():
+            return
+        if backend == "flash":
+            raise ValueError(
+                "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
+                "with attn_backend='flex' on CUDA"
+            )
+        if backend == "flex" and device.type == "cpu":
             raise ValueError(
                 "the target's attention sinks do not run in flex attention on the CPU (attn_backend='flex'); "
                 "run it with attn_backend='eager' on the CPU"
             )
-        masks = {kind.kind: self._kind_mask(kind, packed, backend) for kind in self.layer_kinds}
-        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _has_attention_sinks(self) -> bool:
         # gpt-oss keeps one learnt sink logit per head as its attention module's ``sinks`` parameter (a
@@ -570,12 +617,6 @@ class FrozenTarget(nn.Module):
 
     def _forward_varlen(self, packed: PackedBatch, captured: dict[int, Tensor]) -> Tensor:
         """FlashAttention varlen over the real tokens only: padding costs nothing, any batch size works."""
-        # transformers hands flash_attention_2 no attention sinks (its kernel takes none).
-        if self._has_attention_sinks():
-            raise ValueError(
-                "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
-                "with attn_backend='flex' on CUDA"
-            )
         layout = varlen_layout(packed)
         hidden = self._decoder(
             input_ids=packed.input_ids.reshape(1, -1)[:, layout.token_index],
@@ -763,8 +804,8 @@ def _capture_into(store: dict[int, Tensor], layer_id: int):
         if state.dim() != 3:
             raise ValueError(
                 f"decoder layer {layer_id} of the target outputs {tuple(state.shape)}, not one hidden state per "
-                "token [batch, tokens, hidden] (DeepSeek-V4's layers carry several residual streams): no draft "
-                "here reads such a layer's features"
+                "token [batch, tokens, hidden] (several residual streams, as DeepSeek-V4's hyper-connections and "
+                "Gemma 3n's AltUp keep): no draft here reads such a layer's features"
             )
         store[layer_id] = state
 

@@ -688,6 +688,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "a Gemma 2 target's teacher distribution comes from its LM head without the soft-cap its forward applies",
     ),
     Mutant(
+        "target-head-transform-unchecked",
+        "lightning_drafts/training/target.py",
+        "if gap > 2**-6 * float(own.abs().max()):",
+        "if False:",
+        (
+            "tests/training/test_target_logits.py::test_a_target_whose_logits_the_teacher_cannot_reproduce_is_refused[hyperclovax]",
+        ),
+        "a target whose forward scales its logits in a way the teacher does not know trains drafts on a wrong distribution",
+    ),
+    Mutant(
         "target-vision-language-config-as-causal-lm",
         "lightning_drafts/training/auto_model.py",
         "return AutoModelForImageTextToText",

@@ -263,8 +263,8 @@ REFUSED: dict[tuple[str, str], str] = {
         "deepseek_v4",
         "eager",
     ): "decoder layer 0 of the target outputs (1, 64, 4, 32), not one hidden state per token "
-    "[batch, tokens, hidden] (DeepSeek-V4's layers carry several residual streams): no draft here reads "
-    "such a layer's features",
+    "[batch, tokens, hidden] (several residual streams, as DeepSeek-V4's hyper-connections and Gemma 3n's "
+    "AltUp keep): no draft here reads such a layer's features",
     (
         "deepseek_v4",
         "flex",

@@ -1,5 +1,6 @@
 """A target's teacher logits are the model's own: the scales and soft-caps a causal-LM forward applies after
-its LM head (Cohere, Granite, Gemma 2) are applied to the head's product too."""
+its LM head (Cohere, Granite, Gemma 2) are applied to the head's product too, and a target whose forward
+transforms them otherwise is refused when it is built."""
 
 from __future__ import annotations
 
@@ -36,3 +37,30 @@ def test_teacher_logits_equal_the_models_own(architecture):
     rows = torch.tensor([5, 0, 17])
     subset = target.logits(target(packed).last_hidden_state, rows)[0]
     torch.testing.assert_close(subset, logits[:, rows], rtol=1e-6, atol=0.0)
+
+
+# A forward that multiplies by Granite's divisor (HyperCLOVA X), and a vision-language wrapper that applies
+# none of its Granite text model's scaling (LLaVA-NeXT): the head's product with the known transforms is
+# not the model's logits.
+UNKNOWN = {
+    "hyperclovax": {**_DENSE, "model_type": "hyperclovax", "logits_scaling": 4.0},
+    "llava_next": {
+        "model_type": "llava_next",
+        "text_config": {**_DENSE, "model_type": "granite", "logits_scaling": 4.0},
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(UNKNOWN))
+def test_a_target_whose_logits_the_teacher_cannot_reproduce_is_refused(architecture):
+    with pytest.raises(ValueError, match="its forward transforms them in a way the teacher does not know"):
+        FrozenTarget(UNKNOWN[architecture], attn_backend="eager")

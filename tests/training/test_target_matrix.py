@@ -135,12 +135,21 @@ def test_a_path_that_cannot_isolate_a_targets_layers_refuses_it_in_one_line(arch
     assert str(refused.value) == REFUSED[architecture, path]
 
 
-def test_the_flash_path_refuses_attention_sinks():
-    # The CUDA path is reached on a GPU only; its refusal comes before any kernel runs.
+@pytest.mark.parametrize(
+    ("backend", "device", "refusal"),
+    [
+        ("flash", "cuda", "attention sinks are dropped by flash-attn varlen"),
+        ("flex", "cpu", "attention sinks do not run in flex attention on the CPU"),
+    ],
+)
+def test_every_path_refuses_attention_sinks_its_kernel_drops(backend, device, refusal):
+    # Checked before any path runs (the masked ones and one document per forward alike); the CUDA path is
+    # reached on a GPU only, and the guard needs nothing of the device but its type.
     target = FrozenTarget(config("gpt_oss"))
-    row = validate_batch(packed_row(random_docs(list(LENGTHS), seed=3), WIDTH), vocab_size=target.vocab_size)
-    with pytest.raises(ValueError, match=re.escape("attention sinks are dropped by flash-attn varlen")):
-        target._forward_varlen(row, {})
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        target._refuse_dropped_sinks(backend, torch.device(device))
+    target._refuse_dropped_sinks("flex", torch.device("cuda"))
+    FrozenTarget(config("llama"))._refuse_dropped_sinks(backend, torch.device(device))
 
 
 @pytest.mark.parametrize("path", ["sdpa", "eager"])
@@ -149,12 +158,13 @@ def test_a_linear_attention_target_runs_one_forward_per_document_on_every_path(p
     # forwards run, so a Gated DeltaNet never sees two documents in one call. Counted at the decoder, with
     # the lengths each call ran (its document's, filled to the compact width).
     target = FrozenTarget(config("qwen3_next"), attn_backend=path)
+    row = packed_row(random_docs(list(LENGTHS), seed=3), WIDTH)
     widths = []
     hook = target.decoder.register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
     try:
-        features(target, packed_row(random_docs(list(LENGTHS), seed=3), WIDTH))
+        features(target, row)
     finally:
         hook.remove()
     assert widths == [COMPACT_ROW_MULTIPLE] * len(LENGTHS)
