@@ -688,6 +688,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a Gemma 2 target's teacher distribution comes from its LM head without the soft-cap its forward applies",
     ),
     Mutant(
+        "gguf-target-identity-without-its-file",
+        "lightning_drafts/training/target.py",
+        "self.file_sha256 = file_sha256(model) if is_gguf(model) else None",
+        "self.file_sha256 = None",
+        ("tests/gguf/test_gguf_target.py::test_a_changed_gguf_file_is_refused_as_another_target",),
+        "a GGUF target's identity leaves out its file, so features and checkpoints of another file are taken as its own",
+    ),
+    Mutant(
         "target-head-transform-unchecked",
         "lightning_drafts/training/target.py",
         "if gap > 2**-6 * float(own.abs().max()):",
