@@ -511,13 +511,12 @@ def check_linear_attention_target_runs_each_document_alone(run: Run) -> None:
     alone, in bf16, token by token, against the model's own forward of each document; transformers refuses
     it flex attention."""
     batch, real = target_batch(run)
+    # No window or chunk in it: layer_kind_target only gives it CUDA-sized heads and 4,096 positions.
     config = {
-        **matrix_config("qwen3_next"),
-        "head_dim": 16,
+        **layer_kind_target("qwen3_next", window=0),
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
     }
-    config["max_position_embeddings"] = 4096
     backends = (["flash"] if run.cuda and flash_attn_available() else []) + ["sdpa"]
     for backend in backends:
         target = FrozenTarget(config, attn_backend=backend, dtype="bfloat16").to(run.device)

@@ -579,18 +579,19 @@ class FrozenTarget(nn.Module):
         """Refuse attention sinks a path would drop or cannot run, on whichever path runs the documents:
         transformers hands flash_attention_2 no sinks (its kernel takes none), and flex on the CPU does not
         run them."""
-        if not self._has_attention_sinks():
+        # The layers are only walked for the paths that would drop sinks: this runs at every forward.
+        dropping = backend == "flash" or (backend == "flex" and device.type == "cpu")
+        if not dropping or not self._has_attention_sinks():
             return
         if backend == "flash":
             raise ValueError(
                 "the target's attention sinks are dropped by flash-attn varlen (attn_backend='flash'); run it "
                 "with attn_backend='flex' on CUDA"
             )
-        if backend == "flex" and device.type == "cpu":
-            raise ValueError(
-                "the target's attention sinks do not run in flex attention on the CPU (attn_backend='flex'); "
-                "run it with attn_backend='eager' on the CPU"
-            )
+        raise ValueError(
+            "the target's attention sinks do not run in flex attention on the CPU (attn_backend='flex'); "
+            "run it with attn_backend='eager' on the CPU"
+        )
 
     def _has_attention_sinks(self) -> bool:
         # gpt-oss keeps one learnt sink logit per head as its attention module's ``sinks`` parameter (a
@@ -680,7 +681,8 @@ class FrozenTarget(nn.Module):
         filled to a multiple of :data:`COMPACT_ROW_MULTIPLE` after its document (see
         :meth:`_forward_documents`), which no causal layer reads back."""
         layout = varlen_layout(packed)
-        hidden, layers = [], {layer_id: [] for layer_id in captured}
+        hidden: list[Tensor] = []
+        layers: dict[int, list[Tensor]] = {}
         # A batch without a real token still runs one (empty) document, so every captured layer has a state.
         for _, start, stop in _document_spans(layout) or ((0, 0, 0),):
             own = layout.token_index[start:stop]

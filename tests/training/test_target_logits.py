@@ -27,15 +27,16 @@ def test_teacher_logits_equal_the_models_own(architecture):
     target = FrozenTarget(HEADS[architecture], attn_backend="eager")
     document = random_docs([11], seed=2)[0]
     packed = validate_batch(packed_row([document], 11), vocab_size=target.vocab_size)
-    logits = target.logits(target(packed).last_hidden_state)[0]
+    last = target(packed).last_hidden_state
+    logits = target.logits(last)[0]
     with torch.no_grad():
         expected = target.model(input_ids=document[None], use_cache=False).logits[0]
-    head = torch.nn.functional.linear(target(packed).last_hidden_state[0], target.lm_head.weight)
+    head = torch.nn.functional.linear(last[0], target.lm_head.weight)
     assert (head - expected).abs().max() > 0.1 * expected.abs().max(), "the transform must matter here"
     # float32, one reduction of 32 terms per logit and one scale or tanh: well inside 1e-5 of their size.
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     rows = torch.tensor([5, 0, 17])
-    subset = target.logits(target(packed).last_hidden_state, rows)[0]
+    subset = target.logits(last, rows)[0]
     torch.testing.assert_close(subset, logits[:, rows], rtol=1e-6, atol=0.0)
 
 
